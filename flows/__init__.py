@@ -1,0 +1,1 @@
+"""primeflow: flows."""
