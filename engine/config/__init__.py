@@ -1,0 +1,7 @@
+"""primeflow's configuration: pydantic models for every section, and the loader for TOML + flags."""
+
+from engine.config.loader import ConfigError, load_config
+from engine.config.model import TINY_MODEL
+from engine.config.root import SHARED_FIELDS, PrimeflowConfig
+
+__all__ = ["SHARED_FIELDS", "TINY_MODEL", "ConfigError", "PrimeflowConfig", "load_config"]

@@ -1,0 +1,33 @@
+"""Which model a run trains and serves."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from engine.config.base import BaseConfig
+
+#: The offline tiny model + tokenizer that primeflow builds itself (no hub needed); the default.
+TINY_MODEL = "primeflow/tiny-qwen3"
+
+
+class ModelConfig(BaseConfig):
+    """The shared model; its name fills the trainer, inference and orchestrator sections."""
+
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            description=(
+                "Hugging Face hub id, local folder, or the built-in offline tiny model "
+                f"'{TINY_MODEL}'."
+            ),
+        ),
+    ] = TINY_MODEL
+    revision: Annotated[str | None, Field(description="Hub revision (branch, tag or commit).")] = (
+        None
+    )
+    trust_remote_code: Annotated[
+        bool, Field(description="Allow the model's own Python code from the hub.")
+    ] = False

@@ -1,0 +1,118 @@
+"""The orchestrator: environments, sampling, advantages, filters and the async bound (DESIGN §4)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from engine.config.base import BaseConfig
+from engine.config.plugin import CustomPluginConfig
+
+
+class SamplingConfig(BaseConfig):
+    """How the inference pool samples completions."""
+
+    temperature: Annotated[float, Field(ge=0, description="Sampling temperature; 0 is greedy.")] = (
+        1.0
+    )
+    top_p: Annotated[float, Field(gt=0, le=1, description="Nucleus sampling mass.")] = 1.0
+    max_tokens: Annotated[
+        int, Field(ge=1, description="Most tokens per completion (per turn).")
+    ] = 128
+    stop: Annotated[list[str], Field(description="Strings that end a completion.")] = []
+
+
+class EnvConfig(BaseConfig):
+    """One environment: a built-in id or an installed `verifiers` environment package."""
+
+    id: Annotated[
+        str,
+        Field(
+            min_length=1, description="reverse-text, alphabet-sort, arithmetic, or a package id."
+        ),
+    ] = "reverse-text"
+    args: Annotated[
+        dict[str, Any], Field(description="Keyword arguments for `load_environment`.")
+    ] = {}
+    ratio: Annotated[float, Field(gt=0, description="Share of each batch (normalised).")] = 1.0
+    sampling: Annotated[
+        SamplingConfig | None, Field(description="Per-environment sampling; None: the default.")
+    ] = None
+
+
+class GroupRelativeAdvantageConfig(BaseConfig):
+    """Reward minus the group mean; optionally divided by the group std."""
+
+    type: Literal["group_relative"] = "group_relative"
+    std_normalize: Annotated[bool, Field(description="Divide by the group reward std.")] = False
+    length_penalty: Annotated[
+        float, Field(ge=0, description="Subtract this × completion length / max_tokens.")
+    ] = 0.0
+
+
+AdvantageConfig = Annotated[
+    GroupRelativeAdvantageConfig | CustomPluginConfig, Field(discriminator="type")
+]
+
+
+class ZeroAdvantageFilterConfig(BaseConfig):
+    """Drop samples whose advantage is zero: they carry no gradient."""
+
+    type: Literal["zero_advantage"] = "zero_advantage"
+
+
+class DifficultyFilterConfig(BaseConfig):
+    """Online difficulty filtering: drop groups whose rewards are all equal."""
+
+    type: Literal["difficulty"] = "difficulty"
+
+
+FilterConfig = Annotated[
+    ZeroAdvantageFilterConfig | DifficultyFilterConfig | CustomPluginConfig,
+    Field(discriminator="type"),
+]
+
+
+class OrchestratorConfig(BaseConfig):
+    """The RL data plane: rollouts → scored groups → advantages → one shard set per step."""
+
+    model: Annotated[
+        str | None, Field(description="Tokenizer/chat template; filled from `model.name`.")
+    ] = None
+    seq_len: Annotated[
+        int | None, Field(ge=16, description="Prompt + completion limit; filled from `seq_len`.")
+    ] = None
+    max_steps: Annotated[
+        int | None, Field(ge=1, description="RL steps; filled from the shared `max_steps`.")
+    ] = None
+    envs: Annotated[list[EnvConfig], Field(min_length=1, description="Training environments.")] = [
+        EnvConfig()
+    ]
+    batch_size: Annotated[int, Field(ge=1, description="Samples (or tokens) per step.")] = 128
+    batch_unit: Annotated[
+        Literal["samples", "tokens"], Field(description="What `batch_size` counts.")
+    ] = "samples"
+    rollouts_per_example: Annotated[
+        int, Field(ge=1, description="Samples per prompt; they form one group.")
+    ] = 8
+    max_async_level: Annotated[
+        int,
+        Field(ge=0, description="Batch n may use policy ≥ n-1-this; 0 is synchronous on-policy."),
+    ] = 1
+    max_off_policy_steps: Annotated[
+        int, Field(ge=0, description="Drop samples whose policy fell this many steps behind.")
+    ] = 8
+    max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
+    sampling: SamplingConfig = SamplingConfig()
+    advantage: AdvantageConfig = GroupRelativeAdvantageConfig()
+    filters: Annotated[list[FilterConfig], Field(description="Applied in order.")] = []
+
+    @model_validator(mode="after")
+    def _batch_holds_whole_groups(self) -> OrchestratorConfig:
+        if self.batch_unit == "samples" and self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "
+                f"({self.rollouts_per_example}) so every group lands in one batch"
+            )
+        return self

@@ -1,0 +1,87 @@
+"""The whole system's config, and the shared fields that fill its sections."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from engine.config.base import BaseConfig
+from engine.config.evaluation import EvalConfig
+from engine.config.inference import InferenceConfig
+from engine.config.model import ModelConfig
+from engine.config.orchestrator import OrchestratorConfig
+from engine.config.run import RunConfig, StorageConfig
+from engine.config.sft import SftConfig
+from engine.config.trainer import TrainerConfig
+
+#: shared field → the section fields it fills. One value, stated once, reaches every pool.
+SHARED_FIELDS: dict[str, tuple[str, ...]] = {
+    "model.name": ("trainer.model", "inference.model", "orchestrator.model"),
+    "seq_len": ("trainer.seq_len", "orchestrator.seq_len", "inference.max_model_len"),
+    "max_steps": ("trainer.max_steps", "orchestrator.max_steps"),
+}
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj: Any, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, leaf, value)
+
+
+def _explicit(root: BaseConfig, dotted: str) -> bool:
+    """Whether the user (file or flag) set `dotted`, as opposed to a default."""
+    obj: Any = root
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        if part not in obj.model_fields_set:
+            return False
+        obj = getattr(obj, part)
+    return leaf in obj.model_fields_set
+
+
+class PrimeflowConfig(BaseConfig):
+    """Everything one primeflow run needs; every command takes this config."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = ModelConfig()
+    storage: StorageConfig = StorageConfig()
+    seq_len: Annotated[
+        int,
+        Field(
+            ge=16,
+            description="Shared: fills trainer.seq_len, orchestrator.seq_len and "
+            "inference.max_model_len.",
+        ),
+    ] = 2048
+    max_steps: Annotated[
+        int, Field(ge=1, description="Shared: RL steps for trainer and orchestrator.")
+    ] = 100
+    trainer: TrainerConfig = TrainerConfig()
+    inference: InferenceConfig = InferenceConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    eval: EvalConfig = EvalConfig()
+    sft: SftConfig = SftConfig()
+
+    @model_validator(mode="after")
+    def _fill_shared_fields(self) -> PrimeflowConfig:
+        for shared, targets in SHARED_FIELDS.items():
+            value = _get(self, shared)
+            stated = _explicit(self, shared)
+            for target in targets:
+                current = _get(self, target)
+                if current is None:
+                    _set(self, target, value)
+                elif stated and current != value:
+                    raise ValueError(
+                        f"{target} = {current!r} conflicts with the shared {shared} = {value!r}; "
+                        "set only one of them"
+                    )
+        return self

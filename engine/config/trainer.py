@@ -1,0 +1,160 @@
+"""The trainer pool: optimizer, schedule, loss, parallelism and checkpoints (DESIGN §4)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from engine.config.base import BaseConfig
+from engine.config.plugin import CustomPluginConfig
+
+
+class OptimizerConfig(BaseConfig):
+    """AdamW (fused on GPU) with gradient clipping."""
+
+    lr: Annotated[float, Field(gt=0, le=1, description="Peak learning rate.")] = 1e-6
+    weight_decay: Annotated[float, Field(ge=0, description="Decoupled weight decay.")] = 0.01
+    betas: Annotated[
+        list[float],
+        Field(min_length=2, max_length=2, description="AdamW [beta1, beta2], each in [0, 1)."),
+    ] = [0.9, 0.999]
+    eps: Annotated[float, Field(gt=0, description="AdamW epsilon.")] = 1e-8
+    max_grad_norm: Annotated[
+        float | None, Field(gt=0, description="Clip the global gradient norm; None: no clipping.")
+    ] = 1.0
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimizerConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must each be in [0, 1), got {self.betas}")
+        return self
+
+
+class _WarmupConfig(BaseConfig):
+    warmup_steps: Annotated[
+        int, Field(ge=0, description="Linear warmup from 0 to the peak lr.")
+    ] = 0
+
+
+class ConstantSchedulerConfig(_WarmupConfig):
+    """Constant learning rate after warmup."""
+
+    type: Literal["constant"] = "constant"
+
+
+class LinearSchedulerConfig(_WarmupConfig):
+    """Linear decay from the peak to `min_lr_ratio`·peak at the last step."""
+
+    type: Literal["linear"] = "linear"
+    min_lr_ratio: Annotated[
+        float, Field(ge=0, le=1, description="Final lr as a share of peak.")
+    ] = 0.0
+
+
+class CosineSchedulerConfig(_WarmupConfig):
+    """Cosine decay from the peak to `min_lr_ratio`·peak at the last step."""
+
+    type: Literal["cosine"] = "cosine"
+    min_lr_ratio: Annotated[
+        float, Field(ge=0, le=1, description="Final lr as a share of peak.")
+    ] = 0.0
+
+
+SchedulerConfig = Annotated[
+    ConstantSchedulerConfig | LinearSchedulerConfig | CosineSchedulerConfig,
+    Field(discriminator="type"),
+]
+
+
+class AipoLossConfig(BaseConfig):
+    """AIPO: token-level ratio π_train/π_inference, capped, times the advantage; no KL."""
+
+    type: Literal["aipo"] = "aipo"
+    ratio_cap: Annotated[
+        float, Field(gt=1, description="Cap on the importance ratio π_train/π_inference.")
+    ] = 8.0
+
+
+class MaskedRatioLossConfig(BaseConfig):
+    """Tokens whose importance ratio leaves [low, high] are masked; small log-ratio² KL term."""
+
+    type: Literal["masked_ratio"] = "masked_ratio"
+    ratio_low: Annotated[float, Field(gt=0, le=1, description="Mask tokens below this ratio.")] = (
+        0.5
+    )
+    ratio_high: Annotated[float, Field(ge=1, description="Mask tokens above this ratio.")] = 2.0
+    kl_coef: Annotated[
+        float, Field(ge=0, description="Weight of the log-ratio² term against inference.")
+    ] = 1e-3
+
+
+LossConfig = Annotated[
+    AipoLossConfig | MaskedRatioLossConfig | CustomPluginConfig, Field(discriminator="type")
+]
+
+
+class CheckpointConfig(BaseConfig):
+    """When checkpoints are committed and how many are kept."""
+
+    interval: Annotated[
+        int, Field(ge=1, description="Commit a checkpoint every N steps (and always at the end).")
+    ] = 1
+    keep_last: Annotated[
+        int | None, Field(ge=1, description="Keep the newest N checkpoints; None keeps all.")
+    ] = 3
+    keep_every: Annotated[
+        int | None,
+        Field(ge=1, description="Also keep every checkpoint whose step is a multiple of N."),
+    ] = None
+    max_shard_gb: Annotated[
+        float, Field(gt=0, description="Split model weights into safetensors files of this size.")
+    ] = 5.0
+
+
+class ParallelConfig(BaseConfig):
+    """The torchrun process group: FSDP2 across `nproc_per_node` × `nnodes` ranks."""
+
+    nproc_per_node: Annotated[int, Field(ge=1, description="Trainer processes on this node.")] = 1
+    nnodes: Annotated[int, Field(ge=1, description="Nodes in the trainer group.")] = 1
+    backend: Annotated[
+        Literal["auto", "gloo", "nccl"],
+        Field(description="auto: NCCL when CUDA is available, gloo otherwise."),
+    ] = "auto"
+    gpu_ids: Annotated[
+        list[int], Field(description="CUDA devices for the trainer; empty: the first N.")
+    ] = []
+
+
+class TrainerConfig(BaseConfig):
+    """The FSDP2 trainer pool, shared by the SFT and RL stages."""
+
+    model: Annotated[
+        str | None, Field(description="Model to train; filled from the shared `model.name`.")
+    ] = None
+    seq_len: Annotated[
+        int | None, Field(ge=16, description="Packed row length in tokens; filled from `seq_len`.")
+    ] = None
+    max_steps: Annotated[
+        int | None, Field(ge=1, description="RL optimizer steps; filled from `max_steps`.")
+    ] = None
+    micro_batch_tokens: Annotated[
+        int | None,
+        Field(ge=16, description="Tokens per micro-batch (gradient accumulation); None: seq_len."),
+    ] = None
+    dtype: Annotated[
+        Literal["auto", "bfloat16", "float32"],
+        Field(description="Parameter dtype: auto is bf16 on GPU, fp32 on CPU."),
+    ] = "auto"
+    activation_checkpointing: Annotated[
+        bool, Field(description="Recompute block activations in backward to save memory.")
+    ] = False
+    compile: Annotated[bool, Field(description="torch.compile each transformer block.")] = False
+    optim: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = ConstantSchedulerConfig()
+    loss: LossConfig = AipoLossConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    rollout_timeout_s: Annotated[
+        float, Field(gt=0, description="How long to wait for the rollouts of a step.")
+    ] = 3600.0

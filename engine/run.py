@@ -1,0 +1,45 @@
+"""A run's root in object storage, opened from the config every command resolves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import PrimeflowConfig
+from storage.layout import RunLayout, run_uri
+from storage.manifest import write_manifest
+from storage.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run root store and the paths under it."""
+
+    config: PrimeflowConfig
+    store: ObjectStore
+    layout: RunLayout
+
+
+def run_store(config: PrimeflowConfig) -> ObjectStore:
+    """The store rooted at `<storage.uri>/<run.name>`; credentials stay in the environment."""
+    storage = config.storage
+    return ObjectStore(
+        run_uri(storage.uri, config.run.name),
+        endpoint_url=storage.endpoint_url,
+        region=storage.region,
+        retries=storage.retries,
+        backoff_s=storage.backoff_s,
+    )
+
+
+def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -> Run:
+    """Open (or reopen, to resume) the run and record its manifest: config, versions, seeds."""
+    store = run_store(config)
+    write_manifest(
+        store,
+        config=config.model_dump(mode="json"),
+        seeds={"run": config.run.seed, "inference": config.inference.seed},
+        parent_run=config.run.parent,
+        command=list(command) if command is not None else None,
+    )
+    return Run(config=config, store=store, layout=RunLayout())
