@@ -1,0 +1,102 @@
+"""The trainer's process group: torchrun's environment, or one process on its own.
+
+torchrun (and its multi-node rendezvous) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; nothing here replaces it. A process started without torchrun forms a group of one,
+so FSDP2 and every collective run unchanged in tests and single-device runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the group and which device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def resolve_backend(backend: Literal["auto", "gloo", "nccl"]) -> str:
+    """`auto` is NCCL when CUDA is available and gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.parallel.backend = 'nccl' needs CUDA, and none is available")
+    return backend
+
+
+def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistInfo:
+    """Join (or, without torchrun, create) the process group and pick this rank's device."""
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    name = resolve_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(name, device_id=device if name == "nccl" else None)
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world_size,))
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=name,
+        mesh=mesh,
+    )
+
+
+def close_distributed() -> None:
+    """Leave the process group (a no-op when none was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum scalar values over all ranks in one collective (keys must match on every rank)."""
+    if not values:
+        return {}
+    names = sorted(values)
+    tensor = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return dict(zip(names, tensor.tolist(), strict=True))
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    """The largest `value` over all ranks (e.g. peak memory)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())

@@ -1,0 +1,159 @@
+"""Load a Hugging Face causal LM and shard it with FSDP2 for training.
+
+The trained module is a `PolicyModel`: the HF model's decoder and LM head, re-parented without
+renaming, so its parameter names (`model.layers.0.mlp.up_proj.weight`, `lm_head.weight`) are
+exactly the HF checkpoint's. Its forward returns per-token log-probs and entropies instead of
+logits (`engine.trainer.logprobs`), and it passes packing information to the attention function
+(`engine.trainer.attention`).
+
+FSDP2 layout (as torchtitan): `fully_shard` on every transformer block, then on the root, which
+holds the embeddings, final norm and LM head (tied or not). On GPU the parameters are fp32
+masters sharded across ranks, gathered as bf16 for compute, with gradients reduced in fp32
+(`MixedPrecisionPolicy`); on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from engine.models import resolve_model
+from engine.trainer.attention import ATTENTION_NAME
+from engine.trainer.logprobs import target_logprobs
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to build the trained model (resolved from `TrainerConfig` and the device)."""
+
+    compute_dtype: torch.dtype = torch.float32
+    activation_checkpointing: bool = False
+    compile: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`trainer.dtype`: auto is bf16 on GPU and fp32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+
+def load_causal_lm(name: str, options: ModelOptions) -> PreTrainedModel:
+    """fp32 HF model from a hub id, local folder or `primeflow/tiny-qwen3`, on CPU."""
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(name),
+        dtype=torch.float32,
+        attn_implementation=ATTENTION_NAME,
+        trust_remote_code=options.trust_remote_code,
+        revision=options.revision,
+    )
+    model.config.use_cache = False
+    return model
+
+
+def causal_lm_from_config(config: PretrainedConfig, seed: int = 0) -> PreTrainedModel:
+    """fp32 HF model with random weights (benchmarks and tests of a model's shape)."""
+    torch.manual_seed(seed)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=ATTENTION_NAME
+    )
+
+
+class PolicyModel(nn.Module):
+    """A causal LM's decoder + LM head, returning log-probs of given targets rather than logits."""
+
+    def __init__(self, causal_lm: PreTrainedModel) -> None:
+        super().__init__()
+        head = causal_lm.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"{type(causal_lm).__name__}: the LM head must be an nn.Linear")
+        children = dict(causal_lm.named_children())
+        head_name = next(name for name, module in children.items() if module is head)
+        self.base_name = causal_lm.base_model_prefix
+        self.add_module(self.base_name, children[self.base_name])
+        self.add_module(head_name, head)
+        self.head_name = head_name
+        self.config = causal_lm.config
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self, self.base_name)
+
+    @property
+    def head(self) -> nn.Linear:
+        return getattr(self, self.head_name)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks, the unit of sharding, checkpointing and compilation."""
+        layers = getattr(self.base, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"{type(self.base).__name__} has no `layers` ModuleList to shard")
+        return layers
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        targets: Tensor,
+        temperatures: Tensor,
+        **attention_kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
+        """input_ids, position_ids, targets [B, S] int64, temperatures [B, S] → log-probs, entropy [B, S]."""
+        hidden = self.base(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs
+        ).last_hidden_state
+        batch, seq_len, width = hidden.shape
+        logprobs, entropy = target_logprobs(
+            hidden.reshape(batch * seq_len, width),
+            self.head.weight,
+            targets.reshape(-1),
+            temperatures.reshape(-1),
+        )
+        return logprobs.view(batch, seq_len), entropy.view(batch, seq_len)
+
+
+def apply_activation_checkpointing(causal_lm: PreTrainedModel) -> None:
+    """Recompute each block in backward (non-reentrant, so it composes with FSDP2 and compile)."""
+    causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_blocks(policy: PolicyModel) -> None:
+    """Compile each block's forward; FSDP2's hooks stay outside the compiled region."""
+    for block in policy.blocks:
+        block.forward = torch.compile(block.forward)
+
+
+def shard(policy: PolicyModel, mesh: DeviceMesh, compute: torch.dtype) -> None:
+    """FSDP2: one unit per block, then the root (embeddings, norm, LM head)."""
+    policy_kwargs: dict[str, Any] = {}
+    if compute != torch.float32:
+        policy_kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32
+        )
+    for block in policy.blocks:
+        fully_shard(block, mesh=mesh, **policy_kwargs)
+    fully_shard(policy, mesh=mesh, **policy_kwargs)
+
+
+def build_policy(
+    causal_lm: PreTrainedModel, mesh: DeviceMesh, device: torch.device, options: ModelOptions
+) -> PolicyModel:
+    """Move the fp32 model to `device`, then checkpoint, compile and shard it as configured."""
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(causal_lm)
+    causal_lm.train()
+    policy = PolicyModel(causal_lm).to(device)
+    if options.compile:
+        compile_blocks(policy)
+    shard(policy, mesh, options.compute_dtype)
+    return policy
