@@ -1,0 +1,202 @@
+"""`ObjectStore`: one small API over local disk, memory, S3 and GCS.
+
+Pools on different machines trade files only through this class, so it promises the same
+behaviour everywhere: paths are relative and validated, a single object appears to readers
+whole or not at all, every call retries transient faults the same way, and every error names
+the full URI of the object it concerns. Missing objects raise `ObjectNotFoundError`, which is
+also a `FileNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from typing import IO, Any
+
+from storage.backends import Backend, open_backend
+from storage.errors import is_missing_object
+from storage.paths import clean_path
+from storage.retry import RetryPolicy
+
+Bytes = bytes | bytearray | memoryview
+
+# Prefix of the temporary files that make local writes atomic; listings hide them, so a writer
+# that died mid-write leaves nothing a reader would mistake for data.
+TMP_PREFIX = ".primeflow-tmp-"
+
+
+def _replace_atomically(target: str, fill: Callable[[str], None]) -> None:
+    """Create local file `target` via a temporary sibling and `os.replace`.
+
+    Readers see the old file or the complete new one, never a partial write, because a
+    rename within one folder is atomic.
+    """
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f"{TMP_PREFIX}{os.path.basename(target)}.{uuid.uuid4().hex}")
+    try:
+        fill(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def _write_file(path: str, data: Bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def _is_hidden(path: str) -> bool:
+    return path.rsplit("/", 1)[-1].startswith(TMP_PREFIX)
+
+
+class ObjectStore:
+    """Objects below a root URI: `file://`, bare local paths, `memory://`, `s3://`, `gs://`.
+
+    S3 settings: the endpoint comes from `endpoint_url` or `AWS_ENDPOINT_URL`, addressing is
+    path-style, and `region` is handed to botocore. Credentials are never passed in: they come
+    from the environment or the standard AWS/Google chains, so no store holds or prints them.
+    """
+
+    def __init__(
+        self,
+        root_uri: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._backend = open_backend(
+            root_uri, endpoint_url=endpoint_url, region=region, storage_options=storage_options
+        )
+        self._policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
+        self._endpoint_url = endpoint_url
+
+    @classmethod
+    def _sharing(cls, parent: ObjectStore, backend: Backend) -> ObjectStore:
+        """A store on `backend` with the parent's filesystem instance and retry policy."""
+        store = cls.__new__(cls)
+        store._backend = backend
+        store._policy = parent._policy
+        store._endpoint_url = parent._endpoint_url
+        return store
+
+    def __repr__(self) -> str:
+        endpoint = f", endpoint_url={self._endpoint_url!r}" if self._endpoint_url else ""
+        return f"ObjectStore({self.url()!r}{endpoint})"
+
+    @property
+    def protocol(self) -> str:
+        """`file`, `memory`, `s3` or `gs`."""
+        return self._backend.protocol
+
+    def url(self, path: str = "") -> str:
+        """The full URI of `path` (the root itself by default)."""
+        return self._backend.url(clean_path(path))
+
+    def child(self, path: str) -> ObjectStore:
+        """A store rooted at `path` below this one, sharing its settings and connections."""
+        sub = clean_path(path, allow_empty=False)
+        backend = Backend(self._backend.fs, self.protocol, self._backend.full_path(sub))
+        return ObjectStore._sharing(self, backend)
+
+    def _call(self, path: str, fn: Callable[[str], Any]) -> Any:
+        """Run `fn(full_path)` under the retry policy, with errors naming `path`'s URI."""
+        clean = clean_path(path)
+        return self._policy.call(
+            self._backend.url(clean), lambda: fn(self._backend.full_path(clean))
+        )
+
+    def write_bytes(self, path: str, data: Bytes) -> None:
+        """Write one object; readers see the previous version or this one, never a mix."""
+        clean_path(path, allow_empty=False)
+        if self._backend.is_local:
+            self._call(
+                path, lambda full: _replace_atomically(full, lambda tmp: _write_file(tmp, data))
+            )
+        else:
+            # botocore and gcsfs take bytes, not arbitrary buffers; the network dwarfs the copy.
+            payload = data if isinstance(data, bytes | bytearray) else bytes(data)
+            self._call(path, lambda full: self._backend.fs.pipe_file(full, payload))
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole object."""
+        return self._call(path, lambda full: self._backend.fs.cat_file(full))
+
+    def open_input(self, path: str) -> IO[bytes]:
+        """A readable binary stream over the object, for reading it in pieces; close it after.
+
+        Only opening is retried: a fault while reading surfaces as the backend raised it.
+        """
+        return self._call(path, lambda full: self._backend.fs.open(full, "rb"))
+
+    def exists(self, path: str) -> bool:
+        """True when `path` is an object or a non-empty prefix."""
+        return self._call(path, lambda full: self._backend.fs.exists(full))
+
+    def size(self, path: str) -> int:
+        """Size of the object in bytes."""
+        return int(self._call(path, lambda full: self._backend.fs.size(full)))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted names of the immediate children of `prefix`; empty when it does not exist."""
+
+        def names(full: str) -> list[str]:
+            try:
+                entries = self._backend.fs.ls(full, detail=False)
+            except FileNotFoundError as exc:
+                if is_missing_object(exc):
+                    return []
+                raise
+            base = full.rstrip("/")
+            return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries if entry != base]
+
+        return sorted(name for name in self._call(prefix, names) if not _is_hidden(name))
+
+    def walk_files(self, prefix: str = "") -> list[str]:
+        """Sorted paths (relative to this store's root) of every object below `prefix`."""
+        found = self._call(prefix, lambda full: self._backend.fs.find(full))
+        paths = (self._backend.relative(entry) for entry in found)
+        return sorted(path for path in paths if not _is_hidden(path))
+
+    def delete(self, path: str) -> None:
+        """Delete an object or everything below a prefix; deleting what is missing is fine."""
+        clean_path(path, allow_empty=False)
+
+        def remove(full: str) -> None:
+            try:
+                self._backend.fs.rm(full, recursive=True)
+            except FileNotFoundError as exc:
+                if not is_missing_object(exc):
+                    raise
+
+        self._call(path, remove)
+
+    def upload_file(self, local_path: str | os.PathLike[str], path: str) -> None:
+        """Copy a local file to `path`, atomically to readers like `write_bytes`."""
+        clean_path(path, allow_empty=False)
+        source = os.fspath(local_path)
+        if self._backend.is_local:
+            self._call(
+                path,
+                lambda full: _replace_atomically(full, lambda tmp: shutil.copyfile(source, tmp)),
+            )
+        else:
+            self._call(path, lambda full: self._backend.fs.put_file(source, full))
+
+    def download_file(self, path: str, local_path: str | os.PathLike[str]) -> None:
+        """Copy the object to a local file; the file appears complete or not at all."""
+        target = os.path.abspath(os.fspath(local_path))
+        self._call(
+            path,
+            lambda full: _replace_atomically(
+                target, lambda tmp: self._backend.fs.get_file(full, tmp)
+            ),
+        )
