@@ -1,0 +1,103 @@
+"""Where everything of a run lives, relative to its run root (DESIGN.md §3).
+
+Every pool derives paths from these functions and nothing else, so a trainer, an inference
+server and a notebook opened months later all agree on where step 42's shards are.
+"""
+
+from __future__ import annotations
+
+import re
+
+from storage.backends import split_uri
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NAME_CHAR = re.compile(r"[A-Za-z0-9._-]")
+_MAX_NAME = 128
+_STEP_PREFIX = "step_"
+_STEP_DIGITS = 6
+_STEP_NAME = re.compile(rf"{_STEP_PREFIX}(\d{{{_STEP_DIGITS},}})")
+
+
+def _check_name(name: str, kind: str) -> str:
+    """`name` if it can name one folder on every backend, else a `ValueError` saying why."""
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError(f"{kind} must not be empty")
+    if len(name) > _MAX_NAME:
+        raise ValueError(f"{kind} {name!r} has {len(name)} characters; at most {_MAX_NAME} allowed")
+    if any(char.isspace() for char in name):
+        raise ValueError(f"{kind} {name!r} must not contain whitespace")
+    if "/" in name or "\\" in name:
+        raise ValueError(f"{kind} {name!r} must not contain '/' or '\\'")
+    if ".." in name:
+        raise ValueError(f"{kind} {name!r} must not contain '..'")
+    if not _NAME.fullmatch(name):
+        if not _NAME_CHAR.fullmatch(name[0]) or name[0] in "._-":
+            raise ValueError(f"{kind} {name!r} must start with a letter or a digit")
+        bad = "".join(sorted({char for char in name if not _NAME_CHAR.fullmatch(char)}))
+        raise ValueError(f"{kind} {name!r} contains {bad!r}; use letters, digits, '.', '_', '-'")
+    return name
+
+
+def validate_run_name(name: str) -> str:
+    """Return `name` if it can name a run folder on every backend, else raise `ValueError`."""
+    return _check_name(name, "run name")
+
+
+def run_uri(storage_uri: str, run_name: str) -> str:
+    """The run root URI: `<storage_uri>/<run_name>`."""
+    split_uri(storage_uri)
+    return f"{storage_uri.rstrip('/')}/{validate_run_name(run_name)}"
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+class RunLayout:
+    """Relative paths inside a run root; use them with a store rooted at the run."""
+
+    MANIFEST = "manifest.json"
+    METRICS = "metrics.jsonl"
+    LOGS = "logs"
+    ROLLOUTS = "rollouts"
+    CHECKPOINTS = "checkpoints"
+    EVAL = "eval"
+
+    @staticmethod
+    def step_name(step: int) -> str:
+        """`step_000042`: zero-padded to 6 digits so names sort in step order up to 999999."""
+        return f"{_STEP_PREFIX}{_check_step(step):0{_STEP_DIGITS}d}"
+
+    @staticmethod
+    def parse_step(name: str) -> int | None:
+        """The step of a `step_NNNNNN` folder name, or None for any other name."""
+        match = _STEP_NAME.fullmatch(name)
+        if match is None:
+            return None
+        digits = match.group(1)
+        # Wider names are only written once 6 digits no longer fit; anything else is foreign.
+        if len(digits) > _STEP_DIGITS and digits.startswith("0"):
+            return None
+        return int(digits)
+
+    @classmethod
+    def rollouts_dir(cls, step: int) -> str:
+        return f"{cls.ROLLOUTS}/{cls.step_name(step)}"
+
+    @classmethod
+    def checkpoint_dir(cls, step: int) -> str:
+        return f"{cls.CHECKPOINTS}/{cls.step_name(step)}"
+
+    @classmethod
+    def eval_parent(cls, name: str) -> str:
+        return f"{cls.EVAL}/{_check_name(name, 'eval name')}"
+
+    @classmethod
+    def eval_dir(cls, name: str, step: int) -> str:
+        return f"{cls.eval_parent(name)}/{cls.step_name(step)}"
