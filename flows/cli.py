@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 
 from engine.config import ConfigError, PrimeflowConfig, load_config
+from flows.server import ServerError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -24,18 +25,36 @@ class NotBuiltError(Exception):
     """The command exists, its stage does not yet; the message says what is missing."""
 
 
+ConfigRunner = Callable[[PrimeflowConfig, list[str]], int]
+PlainRunner = Callable[[list[str], bool], int]
+
+
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: its one-line help, and what it does with a resolved config."""
+    """A subcommand: its one-line help and what it runs.
+
+    Config commands get the resolved config (`--dry-run` is handled for them: it prints the
+    config); plain commands parse their own arguments and are told whether this is a dry run.
+    """
 
     help: str
-    run: Callable[[PrimeflowConfig, list[str]], int]
-    takes_config: bool = True
+    run: ConfigRunner | None = None
+    run_plain: PlainRunner | None = None
 
 
-def _not_built(what: str, issue: int) -> Callable[[PrimeflowConfig, list[str]], int]:
+def _not_built(what: str, issue: int) -> ConfigRunner:
     def run(config: PrimeflowConfig, argv: list[str]) -> int:
         raise NotBuiltError(f"{what} is not built yet (issue #{issue}); --dry-run works already")
+
+    return run
+
+
+def _plain_not_built(what: str, issue: int) -> PlainRunner:
+    def run(argv: list[str], dry_run: bool) -> int:
+        if dry_run:
+            print(json.dumps({"command": what, "args": argv, "built": False}, indent=2))
+            return 0
+        raise NotBuiltError(f"{what} is not built yet (issue #{issue})")
 
     return run
 
@@ -54,27 +73,46 @@ def _pipeline(config: PrimeflowConfig, argv: list[str]) -> int:
     )
 
 
+def _server(argv: list[str], dry_run: bool) -> int:
+    from flows import server
+
+    parser = argparse.ArgumentParser(prog="primeflow server", description=server.__doc__)
+    parser.add_argument("action", choices=["start", "stop", "status"])
+    parser.add_argument("--host", default=server.DEFAULT_HOST, help="bind address (loopback)")
+    parser.add_argument("--port", type=int, default=server.DEFAULT_PORT)
+    args = parser.parse_args(argv)
+    home = server.prefect_home()
+    if dry_run:
+        plan = {"action": args.action, "prefect_home": str(home), "host": args.host}
+        print(json.dumps(plan | {"port": args.port}, indent=2))
+        return 0
+    if args.action == "start":
+        state = server.start(home, host=args.host, port=args.port)
+        print(f"Prefect server running: UI {state.ui_url}  API {state.api_url}  (home {home})")
+    elif args.action == "stop":
+        print("stopped" if server.stop(home) else "no server was running for " + str(home))
+    else:
+        print(json.dumps(server.status(home), indent=2))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
-    "pipeline": Command("SFT warm-up → async RL → evaluation (the main job)", _pipeline),
-    "sft": Command("the SFT warm-up stage alone", _not_built("the SFT stage", 4)),
-    "rl": Command("the async RL stage alone", _not_built("the RL stage", 5)),
-    "eval": Command("evaluate a checkpoint on eval splits", _not_built("evaluation", 5)),
-    "inference": Command("run an inference pool in the foreground", _not_built("the pool", 3)),
-    "trainer": Command("run a trainer pool in the foreground", _not_built("the pool", 4)),
-    "server": Command(
-        "start | stop | status the local Prefect server",
-        _not_built("the Prefect server command", 6),
-        takes_config=False,
+    "pipeline": Command("SFT warm-up → async RL → evaluation (the main job)", run=_pipeline),
+    "sft": Command("the SFT warm-up stage alone", run=_not_built("the SFT stage", 4)),
+    "rl": Command("the async RL stage alone", run=_not_built("the RL stage", 5)),
+    "eval": Command("evaluate a checkpoint on eval splits", run=_not_built("evaluation", 5)),
+    "inference": Command(
+        "run an inference pool in the foreground", run=_not_built("the inference pool", 3)
     ),
+    "trainer": Command(
+        "run a trainer pool in the foreground", run=_not_built("the trainer pool", 4)
+    ),
+    "server": Command("start | stop | status the local Prefect server", run_plain=_server),
     "deploy": Command(
-        "create the work pool and the deployments",
-        _not_built("deployments", 6),
-        takes_config=False,
+        "create the work pool and the deployments", run_plain=_plain_not_built("deploy", 6)
     ),
     "reproduce": Command(
-        "re-run a run from its manifest URI",
-        _not_built("reproduce", 6),
-        takes_config=False,
+        "re-run a run from its manifest URI", run_plain=_plain_not_built("reproduce", 6)
     ),
 }
 
@@ -97,11 +135,6 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dry_run_plan(name: str, argv: list[str]) -> dict[str, object]:
-    """What a command without a config would do, for --dry-run."""
-    return {"command": name, "args": argv}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = _top_parser()
@@ -119,22 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     dry_run = "--dry-run" in rest
     rest = [a for a in rest if a != "--dry-run"]
     try:
-        if command.takes_config:
-            config = load_config(rest, prog=f"primeflow {name}")
-            if dry_run:
-                print(json.dumps(config.model_dump(mode="json"), indent=2))
-                return 0
-            return command.run(config, rest)
+        if command.run_plain is not None:
+            return command.run_plain(rest, dry_run)
+        assert command.run is not None
+        config = load_config(rest, prog=f"primeflow {name}")
         if dry_run:
-            print(json.dumps(_dry_run_plan(name, rest), indent=2))
+            print(json.dumps(config.model_dump(mode="json"), indent=2))
             return 0
-        return command.run(PrimeflowConfig(), rest)
+        return command.run(config, rest)
     except ConfigError as exc:
         print(f"primeflow {name}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except NotBuiltError as exc:
         print(f"primeflow {name}: {exc}", file=sys.stderr)
         return EXIT_NOT_BUILT
+    except ServerError as exc:
+        print(f"primeflow {name}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":
