@@ -1,0 +1,228 @@
+"""Rollout shards: round trips, sharding, and rows that must never reach the trainer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+import pytest
+
+from storage.commit import MARKER, commit_step, committed_steps, digest_bytes, read_commit
+from storage.errors import (
+    AlreadyCommittedError,
+    CorruptObjectError,
+    InvalidRolloutError,
+    NotCommittedError,
+)
+from storage.layout import RunLayout
+from storage.shards import ROLLOUT_SCHEMA, read_rollouts, rows_to_table, write_rollouts
+from storage.store import ObjectStore
+
+
+def make_row(index: int, step: int = 3, **changes: Any) -> dict[str, Any]:
+    length = 3 + index % 4
+    row = {
+        "step": step,
+        "policy_version": max(step - 1, 0),
+        "env": "reverse_text",
+        "example_id": index // 2,
+        "group_id": index // 2,
+        "token_ids": [(index * 7 + k) % 256 for k in range(length)],
+        "loss_mask": [k >= 2 for k in range(length)],
+        "logprobs": [0.0 if k < 2 else -0.25 * k for k in range(length)],
+        "reward": float(index % 2),
+        "advantage": 0.5 if index % 2 else -0.5,
+        "temperature": 1.0,
+        "is_truncated": index % 5 == 0,
+        "prompt_text": f"reverse: word{index}",
+        "completion_text": f"{index}drow",
+        "metrics": {"lcs": 0.5 + index % 2 / 2, "format": 1.0},
+    }
+    row.update(changes)
+    return row
+
+
+def rows(count: int, step: int = 3) -> list[dict[str, Any]]:
+    return [make_row(index, step) for index in range(count)]
+
+
+def test_round_trip_keeps_every_value(store: ObjectStore) -> None:
+    table = rows_to_table(rows(6))
+    record = write_rollouts(store, 3, table, meta={"policy_version": 2})
+    assert record.rows == 6
+    assert record.meta == {"policy_version": 2}
+    assert list(record.files) == ["shard-00000.arrow"]
+    back = read_rollouts(store, 3)
+    assert back.schema == ROLLOUT_SCHEMA
+    assert back.equals(table)
+    assert back.to_pylist()[1]["metrics"] == [("lcs", 1.0), ("format", 1.0)]
+    assert committed_steps(store, RunLayout.ROLLOUTS) == [3]
+
+
+def test_rows_are_split_into_ordered_shards(store: ObjectStore) -> None:
+    table = rows_to_table(rows(10))
+    record = write_rollouts(store, 3, rows(10), max_rows_per_shard=3)
+    assert sorted(record.files) == [f"shard-0000{i}.arrow" for i in range(4)]
+    assert read_rollouts(store, 3).equals(table)
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd", None])
+def test_every_compression_reads_back(memory_store: ObjectStore, compression: str | None) -> None:
+    write_rollouts(memory_store, 3, rows(5), compression=compression)  # type: ignore[arg-type]
+    assert read_rollouts(memory_store, 3).num_rows == 5
+
+
+def test_unknown_compression_is_refused(memory_store: ObjectStore) -> None:
+    with pytest.raises(ValueError, match="compression"):
+        write_rollouts(memory_store, 3, rows(1), compression="gzip")  # type: ignore[arg-type]
+
+
+def test_empty_step_commits_with_no_shards(store: ObjectStore) -> None:
+    record = write_rollouts(store, 0, ROLLOUT_SCHEMA.empty_table())
+    assert record.files == {} and record.rows == 0
+    assert read_rollouts(store, 0).equals(ROLLOUT_SCHEMA.empty_table())
+
+
+def test_tables_in_wider_types_are_cast_without_loss(memory_store: ObjectStore) -> None:
+    table = rows_to_table(rows(4))
+    wide = table.set_column(
+        table.schema.get_field_index("token_ids"),
+        "token_ids",
+        pa.array(table["token_ids"].to_pylist(), pa.large_list(pa.int64())),
+    ).set_column(
+        table.schema.get_field_index("reward"),
+        "reward",
+        pa.array(table["reward"].to_pylist(), pa.float64()),
+    )
+    write_rollouts(memory_store, 3, wide)
+    assert read_rollouts(memory_store, 3).equals(table)
+
+
+def _assert_nothing_written(store: ObjectStore, step: int) -> None:
+    assert store.walk_files(RunLayout.rollouts_dir(step)) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "column", "message"),
+    [
+        ({"reward": math.nan}, "reward", "is nan, not a finite number"),
+        ({"advantage": -math.inf}, "advantage", "is -inf, not a finite number"),
+        ({"loss_mask": [True]}, "loss_mask", "per-token columns must have equal lengths"),
+        ({"logprobs": [0.0] * 20}, "logprobs", "per-token columns must have equal lengths"),
+        ({"token_ids": [5, -1, 7, 8]}, "token_ids", "token id -1 is negative"),
+        ({"step": 2}, "step", "is 2 but the shard belongs to step 3"),
+    ],
+)
+def test_bad_rows_name_the_shard_row_and_column(
+    memory_store: ObjectStore, changes: dict[str, Any], column: str, message: str
+) -> None:
+    batch = rows(8)
+    batch[5] = make_row(5, **changes)  # row 5 has 4 tokens; it lands in the second shard
+    with pytest.raises(InvalidRolloutError) as info:
+        write_rollouts(memory_store, 3, batch, max_rows_per_shard=4)
+    error = info.value
+    assert (error.row, error.column) == (5, column)
+    assert error.uri == memory_store.url("rollouts/step_000003/shard-00001.arrow")
+    assert message in str(error)
+    assert f"row 5, column {column!r}" in str(error)
+    _assert_nothing_written(memory_store, 3)
+
+
+def test_rows_with_missing_or_undeclared_keys_are_refused() -> None:
+    with pytest.raises(InvalidRolloutError, match="row 1, column 'reward': is missing"):
+        rows_to_table([make_row(0), {k: v for k, v in make_row(1).items() if k != "reward"}])
+    with pytest.raises(InvalidRolloutError, match="column 'extra': is not declared"):
+        rows_to_table([make_row(0, extra=1)])
+    with pytest.raises(InvalidRolloutError, match="row 1, column 'example_id': cannot hold 'x'"):
+        rows_to_table([make_row(0), make_row(1, example_id="x")])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda t: t.append_column("extra", pa.array([1] * t.num_rows)), "column 'extra'"),
+        (lambda t: t.drop_columns(["advantage"]), "column 'advantage': is missing"),
+        (
+            lambda t: t.set_column(1, "policy_version", pa.array(["v"] * t.num_rows)),
+            "column 'policy_version': has type string, the schema needs int64",
+        ),
+        (
+            lambda t: t.set_column(
+                5, "token_ids", pa.array([[2**40]] * t.num_rows, pa.list_(pa.int64()))
+            ),
+            "column 'token_ids': cannot be stored as list<item: int32> without loss",
+        ),
+    ],
+)
+def test_wrong_schemas_are_refused_before_writing(
+    memory_store: ObjectStore, mutate: Any, match: str
+) -> None:
+    with pytest.raises(InvalidRolloutError, match=match):
+        write_rollouts(memory_store, 3, mutate(rows_to_table(rows(3))))
+    _assert_nothing_written(memory_store, 3)
+
+
+def _write_raw_shard(store: ObjectStore, step: int, table: pa.Table) -> str:
+    """Commit a shard written with plain pyarrow, bypassing the writer's checks."""
+    path = f"{RunLayout.rollouts_dir(step)}/shard-00000.arrow"
+    sink = pa.BufferOutputStream()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = sink.getvalue().to_pybytes()
+    store.write_bytes(path, data)
+    commit_step(
+        store, RunLayout.rollouts_dir(step), {"shard-00000.arrow": digest_bytes(data)}, step=step
+    )
+    return path
+
+
+def test_reader_validates_what_other_writers_committed(memory_store: ObjectStore) -> None:
+    table = rows_to_table(rows(4))
+    rewards = pc.if_else(pa.array([False, False, True, False]), math.nan, table["reward"])
+    bad = table.set_column(table.schema.get_field_index("reward"), "reward", rewards)
+    path = _write_raw_shard(memory_store, 3, bad)
+    with pytest.raises(InvalidRolloutError) as info:
+        read_rollouts(memory_store, 3)
+    assert (info.value.uri, info.value.row, info.value.column) == (
+        memory_store.url(path),
+        2,
+        "reward",
+    )
+
+
+def test_reader_detects_altered_shards(memory_store: ObjectStore) -> None:
+    write_rollouts(memory_store, 3, rows(4))
+    path = "rollouts/step_000003/shard-00000.arrow"
+    data = bytearray(memory_store.read_bytes(path))
+    data[len(data) // 2] ^= 0xFF
+    memory_store.write_bytes(path, bytes(data))
+    with pytest.raises(CorruptObjectError) as info:
+        read_rollouts(memory_store, 3)
+    assert info.value.uri == memory_store.url(path)
+
+
+def test_uncommitted_step_cannot_be_read(memory_store: ObjectStore) -> None:
+    write_rollouts(memory_store, 3, rows(2))
+    memory_store.delete(f"{RunLayout.rollouts_dir(3)}/{MARKER}")  # as if the writer died
+    with pytest.raises(NotCommittedError):
+        read_rollouts(memory_store, 3)
+    assert committed_steps(memory_store, RunLayout.ROLLOUTS) == []
+
+
+def test_committed_step_is_never_rewritten(memory_store: ObjectStore) -> None:
+    write_rollouts(memory_store, 3, rows(2))
+    with pytest.raises(AlreadyCommittedError):
+        write_rollouts(memory_store, 3, rows(5))
+    assert read_rollouts(memory_store, 3).num_rows == 2
+    assert read_commit(memory_store, RunLayout.rollouts_dir(3)).rows == 2
+
+
+def test_rewrite_after_a_crash_replaces_the_debris(memory_store: ObjectStore) -> None:
+    write_rollouts(memory_store, 3, rows(9), max_rows_per_shard=3)
+    memory_store.delete(f"{RunLayout.rollouts_dir(3)}/{MARKER}")
+    write_rollouts(memory_store, 3, rows(2), max_rows_per_shard=3)
+    assert memory_store.list(RunLayout.rollouts_dir(3)) == [MARKER, "shard-00000.arrow"]
+    assert read_rollouts(memory_store, 3).num_rows == 2
