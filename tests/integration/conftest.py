@@ -1,0 +1,110 @@
+"""Session fixtures for the real servers integration tests run against (see `servers.py`).
+
+Each server starts at most once per session, on first use, and is stopped (its whole process
+group) when the session ends. A server that cannot start fails the tests that need it with the
+tail of its log, rather than an opaque connection error somewhere later.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.integration.servers import (
+    GcsEndpoint,
+    S3Endpoint,
+    ServerProcess,
+    ServerStartError,
+    apply_s3_env,
+    start_fake_gcs,
+    start_moto,
+    start_seaweed,
+)
+
+# gcsfs >= 2025 swaps in `ExtendedGcsFileSystem` at import time unless this is off; it asks a
+# gRPC control plane for each bucket's layout, which an emulator does not serve, and waits 60 s
+# per bucket before falling back. It must be set before gcsfs is first imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# google-auth must never probe the cloud metadata address from a test machine.
+os.environ.setdefault("NO_GCE_CHECK", "True")
+
+# Startup seconds per server, printed at the end of the session.
+STARTUP_S: dict[str, float] = {}
+
+
+def _start(starter: Callable, tmp_path_factory: pytest.TempPathFactory, name: str):
+    try:
+        server, endpoint = starter(tmp_path_factory.mktemp(name))
+    except ServerStartError as exc:
+        pytest.fail(f"could not start {name}: {exc}", pytrace=False)
+    STARTUP_S[name] = server.startup_s
+    return server, endpoint
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, S3Endpoint]]:
+    """A moto S3 server (any credentials accepted) with one bucket."""
+    server, endpoint = _start(start_moto, tmp_path_factory, "moto")
+    yield server, endpoint
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3(moto: tuple[ServerProcess, S3Endpoint]) -> S3Endpoint:
+    return moto[1]
+
+
+@pytest.fixture(scope="session")
+def seaweed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, S3Endpoint]]:
+    """SeaweedFS (master, volume, filer, S3 gateway) with S3 auth enforced and one bucket."""
+    server, endpoint = _start(start_seaweed, tmp_path_factory, "seaweedfs")
+    yield server, endpoint
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_s3(seaweed: tuple[ServerProcess, S3Endpoint]) -> S3Endpoint:
+    return seaweed[1]
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, GcsEndpoint]]:
+    """fake-gcs-server on loopback with one bucket."""
+    server, endpoint = _start(start_fake_gcs, tmp_path_factory, "fake-gcs")
+    yield server, endpoint
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(fake_gcs: tuple[ServerProcess, GcsEndpoint]) -> GcsEndpoint:
+    return fake_gcs[1]
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[S3Endpoint], S3Endpoint]:
+    """Point this test's environment (AWS_* variables) at an endpoint: `s3_env(moto_s3)`."""
+    return lambda endpoint: apply_s3_env(monkeypatch, endpoint)
+
+
+@pytest.fixture
+def moto_env(moto_s3: S3Endpoint, s3_env: Callable[[S3Endpoint], S3Endpoint]) -> S3Endpoint:
+    """The moto endpoint, with this test's environment pointed at it."""
+    return s3_env(moto_s3)
+
+
+@pytest.fixture
+def seaweed_env(seaweed_s3: S3Endpoint, s3_env: Callable[[S3Endpoint], S3Endpoint]) -> S3Endpoint:
+    """The SeaweedFS endpoint, with this test's environment pointed at it."""
+    return s3_env(seaweed_s3)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if STARTUP_S:
+        started = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in STARTUP_S.items())
+        terminalreporter.write_line(f"storage servers started: {started}")
