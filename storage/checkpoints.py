@@ -1,0 +1,254 @@
+"""Checkpoints: `<run>/checkpoints/step_NNNNNN/`, a Hugging Face model folder plus trainer state.
+
+The folder is what `transformers.AutoModelForCausalLM.from_pretrained` and vLLM load as it is:
+`config.json`, safetensors weights (one file, or shards with `model.safetensors.index.json`),
+and whatever tokenizer and generation files the trainer passes through. `trainer/` holds what an
+exact resume needs, as safetensors (optimizer moments, RNG states) and JSON
+(`trainer/progress.json`: step, scheduler, data position); nothing is pickled.
+
+Readers fetch a committed checkpoint into a local folder, verifying every checksum, and load
+from there: inference servers and `from_pretrained` want local files anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storage.commit import (
+    MARKER,
+    CommitRecord,
+    FileDigest,
+    begin_step,
+    check_digest,
+    commit_step,
+    digest_bytes,
+    digest_file,
+    read_commit,
+)
+from storage.layout import RunLayout
+from storage.paths import clean_path, join
+from storage.retention import prune_steps
+from storage.store import ObjectStore
+from storage.tensor_files import encode_tensor_files, load_tensor_files, prepare_tensors
+
+CONFIG = "config.json"
+WEIGHTS_STEM = "model"
+TRAINER_DIR = "trainer"
+TRAINER_STATE_STEM = f"{TRAINER_DIR}/state"
+PROGRESS = f"{TRAINER_DIR}/progress.json"
+# Bounds the memory a writer needs: one serialised shard at a time.
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+
+
+def _is_reserved(name: str) -> bool:
+    """Names the writer produces itself, which passed-through files must not replace."""
+    return (
+        name in (CONFIG, MARKER)
+        or name.startswith(f"{TRAINER_DIR}/")
+        or (name.startswith(WEIGHTS_STEM) and ".safetensors" in name)
+    )
+
+
+def _json_bytes(document: Mapping[str, Any], what: str) -> bytes:
+    try:
+        return json.dumps(document, indent=2, sort_keys=True).encode()
+    except TypeError as exc:
+        raise ValueError(f"{what} must be JSON-serialisable: {exc}") from exc
+
+
+def write_checkpoint(
+    store: ObjectStore,
+    step: int,
+    *,
+    weights: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    files: Mapping[str, bytes] | None = None,
+    trainer_state: Mapping[str, torch.Tensor] | None = None,
+    progress: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    meta: Mapping[str, Any] | None = None,
+) -> CommitRecord:
+    """Write checkpoint `step` below the run root `store` and commit it.
+
+    `weights` is a full (unsharded) state dict, `config` the model's `config.to_dict()`,
+    `files` extra files such as `tokenizer.json` or `generation_config.json`. The commit meta
+    records `aliases`: tensors left out because they are tied to another (the output head).
+    """
+    if "model_type" not in config:
+        raise ValueError("config must be a Hugging Face config dict with 'model_type'")
+    extra = dict(files or {})
+    for name in extra:
+        if _is_reserved(clean_path(name, allow_empty=False)):
+            raise ValueError(f"file {name!r} would replace one the checkpoint writer produces")
+    tensors, aliases = prepare_tensors(
+        weights, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))
+    )
+    step_dir = RunLayout.checkpoint_dir(step)
+    begin_step(store, step_dir)
+    digests: dict[str, FileDigest] = {}
+
+    def put(name: str, data: bytes) -> None:
+        digests[name] = digest_bytes(data)
+        store.write_bytes(join(step_dir, name), data)
+
+    for name, data in extra.items():
+        put(name, data)
+    put(CONFIG, _json_bytes(config, "config"))
+    for name, data in encode_tensor_files(tensors, WEIGHTS_STEM, max_shard_bytes=max_shard_bytes):
+        put(name, data)
+    if trainer_state:
+        state, _ = prepare_tensors(trainer_state, tie_word_embeddings=False)
+        for name, data in encode_tensor_files(
+            state, TRAINER_STATE_STEM, max_shard_bytes=max_shard_bytes
+        ):
+            put(name, data)
+    if progress is not None:
+        put(PROGRESS, _json_bytes(progress, "progress"))
+    return commit_step(
+        store, step_dir, digests, step=step, meta={**(meta or {}), "aliases": aliases}
+    )
+
+
+def _is_trainer_file(name: str) -> bool:
+    return name.startswith(f"{TRAINER_DIR}/")
+
+
+def _local_record(local_dir: Path) -> CommitRecord | None:
+    marker = local_dir / MARKER
+    if not marker.is_file():
+        return None
+    return CommitRecord.from_json(marker.as_uri(), marker.read_bytes())
+
+
+def _fetch_verified(
+    store: ObjectStore, step_dir: str, name: str, expected: FileDigest, folder: Path
+) -> None:
+    """Download one file into `folder` and prove it matches the marker before it appears."""
+    target = folder / name
+    partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex}")
+    remote = join(step_dir, name)
+    store.download_file(remote, partial)
+    try:
+        check_digest(store.url(remote), digest_file(partial, expected.algorithm), expected)
+    except BaseException:
+        partial.unlink()
+        raise
+    os.replace(partial, target)
+
+
+def fetch_checkpoint(
+    store: ObjectStore,
+    step: int,
+    local_dir: str | os.PathLike[str],
+    *,
+    trainer_state: bool = False,
+) -> Path:
+    """Download committed checkpoint `step` into `local_dir`, verified; returns the folder.
+
+    A folder already holding this exact commit (its `_COMMITTED` equals the remote one) is
+    reused, fetching only files it lacks. Otherwise the checkpoint is assembled in a sibling
+    folder and swapped in whole, so `local_dir` never holds a mix of two checkpoints. Trainer
+    state (`trainer/`) is fetched only when `trainer_state` is true; inference needs none.
+    """
+    folder = Path(local_dir).absolute()
+    step_dir = RunLayout.checkpoint_dir(step)
+    record = read_commit(store, step_dir)
+    wanted = {
+        name: digest
+        for name, digest in record.files.items()
+        if trainer_state or not _is_trainer_file(name)
+    }
+    existing = _local_record(folder) if folder.is_dir() else None
+    if existing is not None and existing == record:
+        for name, digest in sorted(wanted.items()):
+            present = folder / name
+            if not (present.is_file() and present.stat().st_size == digest.size):
+                present.parent.mkdir(parents=True, exist_ok=True)
+                _fetch_verified(store, step_dir, name, digest, folder)
+        return folder
+    if folder.exists() and existing is None and any(folder.iterdir()):
+        raise ValueError(f"{folder} exists and is not a fetched checkpoint; pass a new folder")
+    staging = folder.with_name(f"{folder.name}.partial-{uuid.uuid4().hex}")
+    try:
+        for name, digest in sorted(wanted.items()):
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            _fetch_verified(store, step_dir, name, digest, staging)
+        (staging / MARKER).write_bytes(record.to_json())
+        _swap_in(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _swap_in(staging: Path, folder: Path) -> None:
+    """Replace `folder` with `staging`, deleting the old contents only once the new are in place."""
+    if not folder.exists():
+        os.replace(staging, folder)
+        return
+    retired = folder.with_name(f"{folder.name}.old-{uuid.uuid4().hex}")
+    os.replace(folder, retired)
+    os.replace(staging, folder)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def load_checkpoint_weights(local_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The full state dict of a fetched checkpoint (or any Hugging Face safetensors folder).
+
+    Tied tensors left out on write come back as the very tensor they alias, as in the model.
+    """
+    folder = Path(local_dir)
+    tensors = load_tensor_files(folder, WEIGHTS_STEM)
+    record = _local_record(folder)
+    for dropped, kept in (record.meta.get("aliases", {}) if record else {}).items():
+        tensors[dropped] = tensors[kept]
+    return tensors
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What `write_checkpoint` stored for an exact resume."""
+
+    tensors: dict[str, torch.Tensor]
+    progress: dict[str, Any]
+
+
+def load_trainer_state(local_dir: str | os.PathLike[str]) -> TrainerState:
+    """Trainer tensors and progress of a checkpoint fetched with `trainer_state=True`."""
+    folder = Path(local_dir)
+    if not (folder / TRAINER_DIR).is_dir():
+        raise FileNotFoundError(
+            f"{folder / TRAINER_DIR} is missing: fetch the checkpoint with trainer_state=True"
+        )
+    state_files = (folder / f"{TRAINER_STATE_STEM}.safetensors").is_file() or (
+        folder / f"{TRAINER_STATE_STEM}.safetensors.index.json"
+    ).is_file()
+    tensors = load_tensor_files(folder, TRAINER_STATE_STEM) if state_files else {}
+    progress_path = folder / PROGRESS
+    progress = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
+    return TrainerState(tensors=tensors, progress=progress)
+
+
+def apply_retention(
+    store: ObjectStore,
+    *,
+    keep_last: int | None,
+    keep_every: int | None = None,
+    protect: Iterable[int] = (),
+) -> list[int]:
+    """Delete old committed checkpoints of the run root `store`; returns the deleted steps.
+
+    Keeps the newest `keep_last`, every multiple of `keep_every` and the `protect`ed steps
+    (e.g. one an evaluation is reading). `keep_last=None` keeps everything.
+    """
+    return prune_steps(
+        store, RunLayout.CHECKPOINTS, keep_last=keep_last, keep_every=keep_every, protect=protect
+    )
