@@ -37,6 +37,10 @@ class SftConfig(BaseConfig):
     enabled: Annotated[bool, Field(description="Run the SFT stage in `pipeline`.")] = True
     data: SftDataConfig = SftDataConfig()
     max_steps: Annotated[int, Field(ge=1, description="SFT optimizer steps.")] = 300
+    epochs: Annotated[
+        float | None,
+        Field(gt=0, description="Also stop after this many passes over the data (None: no limit)."),
+    ] = None
     batch_size: Annotated[int, Field(ge=1, description="Examples per optimizer step.")] = 64
     optim: OptimizerConfig = OptimizerConfig(lr=3e-3)
     scheduler: SchedulerConfig = ConstantSchedulerConfig()

@@ -124,6 +124,16 @@ class ParallelConfig(BaseConfig):
     gpu_ids: Annotated[
         list[int], Field(description="CUDA devices for the trainer; empty: the first N.")
     ] = []
+    rdzv_endpoint: Annotated[
+        str | None,
+        Field(description="host:port of torchrun's c10d rendezvous; needed when nnodes > 1."),
+    ] = None
+
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> ParallelConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port reachable from every node)")
+        return self
 
 
 class TrainerConfig(BaseConfig):
@@ -150,6 +160,10 @@ class TrainerConfig(BaseConfig):
         bool, Field(description="Recompute block activations in backward to save memory.")
     ] = False
     compile: Annotated[bool, Field(description="torch.compile each transformer block.")] = False
+    truncate: Annotated[
+        bool,
+        Field(description="Cut samples longer than seq_len to seq_len instead of failing."),
+    ] = False
     optim: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = ConstantSchedulerConfig()
     loss: LossConfig = AipoLossConfig()

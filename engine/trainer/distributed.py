@@ -8,7 +8,6 @@ so FSDP2 and every collective run unchanged in tests and single-device runs.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,12 +32,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def resolve_backend(backend: Literal["auto", "gloo", "nccl"]) -> str:
     """`auto` is NCCL when CUDA is available and gloo otherwise."""
     if backend == "auto":
@@ -50,14 +43,6 @@ def resolve_backend(backend: Literal["auto", "gloo", "nccl"]) -> str:
 
 def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistInfo:
     """Join (or, without torchrun, create) the process group and pick this rank's device."""
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
     name = resolve_backend(backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if name == "nccl":
@@ -66,7 +51,14 @@ def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistI
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(name, device_id=device if name == "nccl" else None)
+        device_id = device if name == "nccl" else None
+        if "RANK" in os.environ:
+            dist.init_process_group(name, device_id=device_id)
+        else:
+            # A group of one needs no rendezvous: an in-memory store, no port to collide on.
+            dist.init_process_group(
+                name, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+            )
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,))
     return DistInfo(

@@ -108,18 +108,21 @@ class PolicyModel(nn.Module):
         temperatures: Tensor,
         **attention_kwargs: Any,
     ) -> tuple[Tensor, Tensor]:
-        """input_ids, position_ids, targets [B, S] int64, temperatures [B, S] → log-probs, entropy [B, S]."""
+        """ids, positions, targets [B, S] int64, temperatures [B, S] → log-probs, entropy [B·S].
+
+        The outputs are flat (not views of [B, S]): FSDP2 hooks outputs for backward, and a view
+        would let an in-place op on it skip that hook.
+        """
         hidden = self.base(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs
         ).last_hidden_state
         batch, seq_len, width = hidden.shape
-        logprobs, entropy = target_logprobs(
+        return target_logprobs(
             hidden.reshape(batch * seq_len, width),
             self.head.weight,
             targets.reshape(-1),
             temperatures.reshape(-1),
         )
-        return logprobs.view(batch, seq_len), entropy.view(batch, seq_len)
 
 
 def apply_activation_checkpointing(causal_lm: PreTrainedModel) -> None:

@@ -55,8 +55,9 @@ def test_packed_rows_equal_unpacked_samples(tiny_model_dir: Path) -> None:
                 # Stock transformers, full logits: log-softmax(logits / τ) of the next token.
                 logits = causal_lm(ids).logits[0, :-1] / sample.temperature
                 stock = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1)
-                got = packed[r, start : start + n - 1]
-                torch.testing.assert_close(got, alone[0, : n - 1], atol=1e-5, rtol=1e-5)
+                offset = r * rows.seq_len + start
+                got = packed[offset : offset + n - 1]
+                torch.testing.assert_close(got, alone[: n - 1], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(got, stock, atol=1e-5, rtol=1e-5)
                 start += n
     assert torch.isfinite(entropy).all()

@@ -1,0 +1,108 @@
+"""The trainer pool: torchrun in its own process group, supervised by the caller.
+
+`run_trainer(config, stage)` is what `primeflow trainer` / `primeflow sft` call: it writes the
+resolved config to a file, starts `torchrun ... -m engine.trainer.worker` in a new session (so
+the pool can be killed as one group without touching the caller), waits for it, and always
+tears the group down on the way out. Workers watch the caller's pid and end the group
+themselves if the caller dies without cleaning up (`engine.trainer.supervision`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from engine.config import PrimeflowConfig
+from engine.trainer.supervision import SUPERVISOR_ENV
+
+Stage = Literal["sft", "rl"]
+
+
+def torchrun_command(config: PrimeflowConfig, stage: Stage, config_path: Path) -> list[str]:
+    """The torchrun command line for this node (standalone, or c10d rendezvous across nodes)."""
+    parallel = config.trainer.parallel
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={parallel.nproc_per_node}",
+        f"--nnodes={parallel.nnodes}",
+    ]
+    if parallel.nnodes == 1:
+        command.append("--standalone")
+    else:
+        command += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={parallel.rdzv_endpoint}",
+            f"--rdzv-id={config.run.name}",
+        ]
+    command += ["-m", "engine.trainer.worker", "--config", str(config_path), "--stage", stage]
+    return command
+
+
+class TrainerPool:
+    """One node's share of the trainer: a torchrun process group."""
+
+    def __init__(self, config: PrimeflowConfig, stage: Stage) -> None:
+        self.config = config
+        self.stage = stage
+        self._tmp = tempfile.TemporaryDirectory(prefix="primeflow-trainer-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pgid(self) -> int:
+        """The pool's process group id (the torchrun pid), for supervisors that record it."""
+        if self.process is None:
+            raise RuntimeError("the pool has not been started")
+        return self.process.pid
+
+    def start(self) -> None:
+        config_path = Path(self._tmp.name) / "config.json"
+        config_path.write_text(self.config.model_dump_json())
+        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        if self.config.trainer.parallel.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.config.trainer.parallel.gpu_ids))
+        self.process = subprocess.Popen(
+            torchrun_command(self.config, self.stage, config_path),
+            env=env,
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.process is None:
+            raise RuntimeError("the pool has not been started")
+        return self.process.wait(timeout)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the whole group, then SIGKILL what is left after `grace_s`."""
+        if self.process is not None and self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        # Ranks may outlive torchrun briefly; the group id still names them.
+        if self.process is not None:
+            self._signal(signal.SIGKILL)
+        self._tmp.cleanup()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, sig)
+
+
+def run_trainer(config: PrimeflowConfig, stage: Stage) -> int:
+    """Run the trainer pool for `stage` in the foreground; return torchrun's exit code."""
+    pool = TrainerPool(config, stage)
+    pool.start()
+    try:
+        return pool.wait()
+    finally:
+        pool.stop()

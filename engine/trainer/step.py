@@ -1,0 +1,173 @@
+"""One optimizer step over a rank's micro-batches, shared by SFT and RL.
+
+Gradients accumulate over micro-batches without synchronisation and are reduce-scattered once,
+after the last one. Every micro-batch's loss is divided by the step's loss tokens over all ranks
+(`loss.normalise`), so the update is that of the whole batch regardless of how it was split.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from engine.trainer.attention import document_kwargs, varlen_available
+from engine.trainer.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from engine.trainer.loss import LossFn, LossInputs, masked_sums, normalise
+from engine.trainer.model import PolicyModel
+from engine.trainer.packing import PackedRows
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every step needs besides the data."""
+
+    policy: PolicyModel
+    dist: DistInfo
+    compute_dtype: torch.dtype
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return varlen_available(self.dist.device, self.compute_dtype)
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def forward_micro_batch(
+    ctx: StepContext, rows: PackedRows, loss_fn: LossFn
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Σ loss over the micro-batch's loss tokens (with grad) and detached metric sums."""
+    device = ctx.dist.device
+    loss_mask = _tensor(rows.loss_mask, device).reshape(-1)
+    logprobs, entropy = ctx.policy(
+        _tensor(rows.input_ids, device),
+        _tensor(rows.position_ids, device),
+        _tensor(rows.targets, device),
+        _tensor(rows.temperatures, device),
+        **document_kwargs(rows.doc_lens, rows.seq_len, device, ctx.varlen),
+    )
+    inputs = LossInputs(
+        logprobs=logprobs,
+        inference_logprobs=_tensor(rows.inference_logprobs, device).reshape(-1),
+        advantages=_tensor(rows.advantages, device).reshape(-1),
+        loss_mask=loss_mask,
+    )
+    outputs = loss_fn(inputs)
+    loss_sum, metric_sums = masked_sums(outputs, loss_mask)
+    metric_sums["entropy"] = (entropy * loss_mask).sum()
+    return loss_sum, metric_sums
+
+
+def _grad_norm(policy: PolicyModel, max_norm: float | None) -> float:
+    """Clip the global gradient norm (when configured) and return it before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(
+        policy.parameters(), max_norm if max_norm is not None else math.inf
+    )
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _accumulate(sums: dict[str, Tensor], values: dict[str, Tensor]) -> None:
+    """Add scalar tensors on the device, so micro-batches never wait for the host."""
+    for name, value in values.items():
+        sums[name] = sums[name] + value if name in sums else value
+
+
+def _to_floats(sums: dict[str, Tensor]) -> dict[str, float]:
+    """One device-to-host copy for all sums."""
+    if not sums:
+        return {}
+    names = sorted(sums)
+    values = torch.stack([sums[n].double() for n in names]).tolist()
+    return dict(zip(names, values, strict=True))
+
+
+def _summarise(sums: dict[str, float], loss_tokens: int) -> dict[str, float]:
+    """Per-token means of the summed metrics (loss tokens of the whole step, all ranks)."""
+    denominator = max(loss_tokens, 1)
+    return {name: value / denominator for name, value in sums.items()}
+
+
+def train_step(
+    ctx: StepContext,
+    optimizer: Optimizer,
+    scheduler: LRScheduler,
+    micro_batches: Sequence[PackedRows],
+    loss_fn: LossFn,
+    global_loss_tokens: int,
+    max_grad_norm: float | None,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch, clip, step; return the step's metrics (all ranks)."""
+    device = ctx.dist.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    sums: dict[str, Tensor] = {}
+    for index, rows in enumerate(micro_batches):
+        ctx.policy.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
+        normalise(loss_sum, global_loss_tokens, ctx.dist.world_size).backward()
+        _accumulate(sums, {"loss": loss_sum.detach(), **metric_sums})
+    grad_norm = _grad_norm(ctx.policy, max_grad_norm)
+    lr = optimizer.param_groups[0]["lr"]
+    skipped = global_loss_tokens == 0 or not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+
+    local_tokens = sum(int(rows.real_tokens().sum()) for rows in micro_batches)
+    totals = all_reduce_sum({**_to_floats(sums), "tokens": local_tokens}, device)
+    tokens = int(totals.pop("tokens"))
+    metrics = _summarise(totals, global_loss_tokens)
+    metrics.update(
+        grad_norm=grad_norm,
+        lr=lr,
+        skipped=float(skipped),
+        tokens=tokens,
+        loss_tokens=global_loss_tokens,
+        step_seconds=seconds,
+        tokens_per_second=tokens / seconds,
+    )
+    if ctx.flops_per_token is not None and ctx.peak_flops:
+        metrics["mfu"] = (
+            metrics["tokens_per_second"]
+            * ctx.flops_per_token
+            / (ctx.peak_flops * ctx.dist.world_size)
+        )
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        metrics["peak_memory_gib"] = all_reduce_max(peak, device)
+    return metrics
+
+
+@torch.no_grad()
+def eval_step(
+    ctx: StepContext, micro_batches: Sequence[PackedRows], loss_fn: LossFn, loss_tokens: int
+) -> dict[str, float]:
+    """Mean loss (and metrics) over the loss tokens of `micro_batches` on all ranks; no update."""
+    ctx.policy.eval()
+    sums: dict[str, Tensor] = {}
+    try:
+        for rows in micro_batches:
+            loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
+            _accumulate(sums, {"loss": loss_sum, **metric_sums})
+    finally:
+        ctx.policy.train()
+    return _summarise(all_reduce_sum(_to_floats(sums), ctx.dist.device), loss_tokens)

@@ -1,0 +1,330 @@
+"""The trainer loop, one process per rank under torchrun: `python -m engine.trainer.worker`.
+
+RL: for each step n (1-based; the base model is policy version 0) wait for the committed
+`rollouts/step_n`, pack and train on them, and commit `checkpoints/step_n` — the weights of
+policy version n — every `checkpoint.interval` steps and at the last step. SFT does the same on
+its own data under `<run>/sft/`, so its steps never collide with RL's.
+
+Every rank reads the whole step and computes the same packing and rank assignment, so the
+ranks agree on the step's loss-token count without a collective. On start the loop resumes from
+the newest committed checkpoint of its stage: weights, optimizer, scheduler, RNG and data
+position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from engine.config import PrimeflowConfig
+from engine.config.trainer import OptimizerConfig, SchedulerConfig
+from engine.models import resolve_model
+from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
+from engine.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
+from engine.trainer.loss import LossFn, build_loss, sft_loss
+from engine.trainer.metrics import flops_per_token, measure_bf16_peak, write_metrics
+from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
+from engine.trainer.optim import build_optimizer
+from engine.trainer.packing import PackedRows, Sample, pack_samples
+from engine.trainer.rollouts import samples_from_rollouts, wait_for_rollouts
+from engine.trainer.schedule import build_scheduler
+from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
+from engine.trainer.step import StepContext, eval_step, train_step
+from engine.trainer.supervision import watch_supervisor
+from storage.layout import RunLayout, run_uri
+from storage.store import ObjectStore
+
+Stage = Literal["sft", "rl"]
+FIRST_STEP = 1
+SFT_PREFIX = "sft"
+log = logging.getLogger("primeflow.trainer")
+
+
+def open_run_store(config: PrimeflowConfig) -> ObjectStore:
+    """The run root `<storage.uri>/<run.name>`."""
+    storage = config.storage
+    return ObjectStore(
+        run_uri(storage.uri, config.run.name),
+        endpoint_url=storage.endpoint_url,
+        region=storage.region,
+        retries=storage.retries,
+        backoff_s=storage.backoff_s,
+    )
+
+
+def stage_store(run_store: ObjectStore, stage: Stage) -> ObjectStore:
+    """Where a stage's checkpoints live: the run root for RL, `<run>/sft` for SFT."""
+    return run_store.child(SFT_PREFIX) if stage == "sft" else run_store
+
+
+def _load_tokenizer(name: str, revision: str | None) -> PreTrainedTokenizerBase | None:
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(name), revision=revision)
+    except (OSError, ValueError):
+        return None
+
+
+def write_assets(name: str, revision: str | None, folder: Path) -> Path:
+    """Tokenizer and generation config of the base model, shipped with every checkpoint."""
+    tokenizer = _load_tokenizer(name, revision)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    with contextlib.suppress(OSError):
+        GenerationConfig.from_pretrained(resolve_model(name), revision=revision).save_pretrained(
+            str(folder)
+        )
+    return folder
+
+
+@dataclass
+class Trainer:
+    """Model, optimizer and schedule of one stage on one rank."""
+
+    config: PrimeflowConfig
+    stage: Stage
+    dist: DistInfo
+    store: ObjectStore
+    ctx: StepContext
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    run_store: ObjectStore
+    assets_dir: Path
+    max_steps: int
+
+    @property
+    def seq_len(self) -> int:
+        assert self.config.trainer.seq_len is not None
+        return self.config.trainer.seq_len
+
+    def pack(self, samples: Sequence[Sample]) -> tuple[list[PackedRows], int]:
+        """This rank's micro-batches of `samples` and the step's loss tokens over all ranks."""
+        rows = pack_samples(samples, self.seq_len)
+        per_micro = rows_per_micro_batch(self.config.trainer.micro_batch_tokens, self.seq_len)
+        share = rank_share(rows, self.dist.rank, self.dist.world_size, per_micro)
+        return micro_batches(share, per_micro), int(rows.loss_mask.sum())
+
+    def step(self, samples: Sequence[Sample], loss_fn: LossFn, optim: OptimizerConfig) -> dict:
+        batches, loss_tokens = self.pack(samples)
+        return train_step(
+            self.ctx,
+            self.optimizer,
+            self.scheduler,
+            batches,
+            loss_fn,
+            loss_tokens,
+            optim.max_grad_norm,
+        )
+
+    def checkpoint(self, step: int, progress: dict[str, Any]) -> None:
+        save_checkpoint(
+            self.store,
+            step,
+            self.ctx.policy,
+            self.optimizer,
+            self.scheduler,
+            self.dist,
+            progress=progress,
+            assets_dir=self.assets_dir,
+            max_shard_gb=self.config.trainer.checkpoint.max_shard_gb,
+        )
+
+    def should_checkpoint(self, step: int) -> bool:
+        return step % self.config.trainer.checkpoint.interval == 0 or step == self.max_steps
+
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        """(first step to run, data position) from the newest committed checkpoint."""
+        step = latest_checkpoint(self.store)
+        if step is None:
+            return FIRST_STEP, {}
+        progress = load_checkpoint(
+            self.store, step, self.ctx.policy, self.optimizer, self.scheduler, self.dist
+        )
+        log.info("resumed %s from %s", self.stage, self.store.url(RunLayout.checkpoint_dir(step)))
+        return step + 1, progress
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.dist.is_main:
+            write_metrics(self.run_store, self.stage, step, metrics)
+            shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()}
+            log.info("%s step %d %s", self.stage, step, json.dumps(shown, sort_keys=True))
+
+
+def build_trainer(
+    config: PrimeflowConfig,
+    stage: Stage,
+    dist: DistInfo,
+    assets_dir: Path,
+    optim: OptimizerConfig,
+    scheduler_config: SchedulerConfig,
+    max_steps: int,
+) -> Trainer:
+    """Load, shard and wrap the model with its optimizer and schedule."""
+    trainer_config = config.trainer
+    assert trainer_config.model is not None and trainer_config.seq_len is not None
+    dtype = compute_dtype(trainer_config.dtype, dist.device)
+    options = ModelOptions(
+        compute_dtype=dtype,
+        activation_checkpointing=trainer_config.activation_checkpointing,
+        compile=trainer_config.compile,
+        trust_remote_code=config.model.trust_remote_code,
+        revision=config.model.revision,
+    )
+    causal_lm = load_causal_lm(trainer_config.model, options)
+    num_parameters = sum(p.numel() for p in causal_lm.parameters())
+    policy = build_policy(causal_lm, dist.mesh, dist.device, options)
+    on_gpu = dist.device.type == "cuda"
+    ctx = StepContext(
+        policy=policy,
+        dist=dist,
+        compute_dtype=dtype,
+        flops_per_token=flops_per_token(policy.config, num_parameters, trainer_config.seq_len),
+        peak_flops=measure_bf16_peak(dist.device) if on_gpu else None,
+    )
+    optimizer = build_optimizer(policy, optim, dist.device)
+    run_store = open_run_store(config)
+    return Trainer(
+        config=config,
+        stage=stage,
+        dist=dist,
+        store=stage_store(run_store, stage),
+        run_store=run_store,
+        ctx=ctx,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, scheduler_config, max_steps),
+        assets_dir=assets_dir,
+        max_steps=max_steps,
+    )
+
+
+def run_rl(config: PrimeflowConfig, dist: DistInfo, assets_dir: Path) -> None:
+    """RL: one optimizer step per committed rollout step, up to `trainer.max_steps`."""
+    trainer_config = config.trainer
+    assert trainer_config.max_steps is not None
+    trainer = build_trainer(
+        config,
+        "rl",
+        dist,
+        assets_dir,
+        trainer_config.optim,
+        trainer_config.scheduler,
+        trainer_config.max_steps,
+    )
+    loss_fn = build_loss(trainer_config.loss)
+    vocab_size = trainer.ctx.policy.config.vocab_size
+    first, _ = trainer.resume()
+    for step in range(first, trainer.max_steps + 1):
+        wait_start = time.perf_counter()
+        table = wait_for_rollouts(trainer.store, step, trainer_config.rollout_timeout_s)
+        samples = samples_from_rollouts(
+            table,
+            step=step,
+            vocab_size=vocab_size,
+            seq_len=trainer.seq_len,
+            allow_truncation=trainer_config.truncate,
+        )
+        wait_seconds = time.perf_counter() - wait_start
+        metrics = trainer.step(samples, loss_fn, trainer_config.optim)
+        versions = table.column("policy_version").to_pylist()
+        metrics.update(
+            samples=len(samples),
+            wait_seconds=wait_seconds,
+            policy_lag_max=max((step - 1 - v for v in versions), default=0),
+        )
+        trainer.log_metrics(step, metrics)
+        if trainer.should_checkpoint(step):
+            trainer.checkpoint(step, {"rollout_step": step})
+
+
+def sft_max_steps(config: PrimeflowConfig, data: SftDataset) -> int:
+    """`sft.max_steps`, or fewer when `sft.epochs` runs out first."""
+    sft = config.sft
+    if sft.epochs is None:
+        return sft.max_steps
+    return max(1, min(sft.max_steps, math.ceil(sft.epochs * len(data.train) / sft.batch_size)))
+
+
+def run_sft(config: PrimeflowConfig, dist: DistInfo, assets_dir: Path) -> None:
+    """SFT: NLL on assistant tokens, seeded epochs, eval loss on the held-out split."""
+    sft = config.sft
+    assert config.trainer.model is not None and config.trainer.seq_len is not None
+    tokenizer = _load_tokenizer(config.trainer.model, config.model.revision)
+    if tokenizer is None:
+        raise ValueError(f"SFT needs a tokenizer with a chat template: {config.trainer.model!r}")
+    data = load_sft_dataset(
+        sft.data,
+        tokenizer,
+        seq_len=config.trainer.seq_len,
+        seed=config.run.seed,
+        allow_truncation=config.trainer.truncate,
+    )
+    max_steps = sft_max_steps(config, data)
+    trainer = build_trainer(config, "sft", dist, assets_dir, sft.optim, sft.scheduler, max_steps)
+    first, progress = trainer.resume()
+    position = int(progress.get("position", 0))
+    for step in range(first, max_steps + 1):
+        metrics = trainer.step(data.batch(position, sft.batch_size), sft_loss, sft.optim)
+        position += sft.batch_size
+        metrics["epoch"] = position / len(data.train)
+        if data.eval and (step % sft.eval_interval == 0 or step == max_steps):
+            metrics["eval_loss"] = evaluate(trainer, data.eval, sft.batch_size)["loss"]
+        trainer.log_metrics(step, metrics)
+        if trainer.should_checkpoint(step):
+            trainer.checkpoint(step, {"position": position})
+
+
+def evaluate(trainer: Trainer, samples: Sequence[Sample], batch_size: int) -> dict[str, float]:
+    """Mean NLL per assistant token over `samples`."""
+    sums = {"loss": 0.0}
+    tokens = 0
+    for batch in iter_batches(samples, batch_size):
+        micro, loss_tokens = trainer.pack(batch)
+        result = eval_step(trainer.ctx, micro, sft_loss, loss_tokens)
+        sums["loss"] += result["loss"] * loss_tokens
+        tokens += loss_tokens
+    return {"loss": sums["loss"] / max(tokens, 1)}
+
+
+def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
+    """Join the process group and run `stage` on this rank."""
+    dist = init_distributed(config.trainer.parallel.backend)
+    try:
+        with tempfile.TemporaryDirectory(prefix="primeflow-assets-") as tmp:
+            assert config.trainer.model is not None
+            assets = write_assets(config.trainer.model, config.model.revision, Path(tmp))
+            (run_sft if stage == "sft" else run_rl)(config, dist, assets)
+    finally:
+        close_distributed()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.trainer.worker")
+    parser.add_argument("--config", required=True, help="resolved PrimeflowConfig as JSON")
+    parser.add_argument("--stage", choices=["sft", "rl"], required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    config = PrimeflowConfig.model_validate_json(Path(args.config).read_text())
+    watch_supervisor()
+    run_stage(config, args.stage)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
