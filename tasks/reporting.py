@@ -1,0 +1,151 @@
+"""Mirror a stage's progress from the run's object store into the Prefect UI.
+
+The trainer pool runs in other processes (torchrun) and may run on other machines, so it cannot
+call Prefect; what it commits to storage is the truth. A `StageMonitor` polls that truth — the
+metric lines and the committed checkpoints — and turns it into a progress artifact, a metrics
+table artifact every few steps, and one `primeflow.checkpoint.committed` event per checkpoint.
+It reads only objects it has not seen, so a poll costs one listing per prefix.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.events import emit_event
+
+from engine.trainer.metrics import METRICS_DIR
+from storage.commit import committed_steps
+from storage.layout import RunLayout
+from storage.paths import join
+from storage.store import ObjectStore
+
+CHECKPOINT_EVENT = "primeflow.checkpoint.committed"
+log = logging.getLogger(__name__)
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow only lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def run_resource(run_name: str) -> dict[str, str]:
+    """The Prefect event resource that stands for one primeflow run."""
+    return {"prefect.resource.id": f"primeflow.run.{run_name}", "primeflow.run": run_name}
+
+
+def emit_checkpoint_event(run_name: str, step: int, uri: str) -> None:
+    emit_event(
+        CHECKPOINT_EVENT,
+        resource=run_resource(run_name),
+        payload={"run": run_name, "step": step, "uri": uri},
+    )
+
+
+@dataclass
+class StageMonitor:
+    """Context manager: while the stage runs, poll storage and report; report once more at exit."""
+
+    store: ObjectStore
+    run_name: str
+    stage: str
+    total_steps: int
+    interval_s: float = 2.0
+    table_every: int = 10
+    table_rows: int = 20
+    on_step: Callable[[Mapping[str, Any]], None] | None = None
+    lines: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)
+    checkpoints: set[int] = field(default_factory=set, init=False)
+    _artifact: UUID | None = field(default=None, init=False)
+    _last_table_step: int = field(default=-1, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+
+    def __enter__(self) -> StageMonitor:
+        key = artifact_key(self.run_name, self.stage, "progress")
+        self._artifact = create_progress_artifact(
+            progress=0.0, key=key, description=f"{self.stage}: steps done of {self.total_steps}"
+        )
+        # Checkpoints committed before this stage (a resumed run) are not news.
+        self.checkpoints = set(committed_steps(self.store, "checkpoints"))
+        context = contextvars.copy_context()  # so artifacts attach to this flow/task run
+        self._thread = threading.Thread(target=context.run, args=(self._loop,), daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.poll()
+        self._write_table(force=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as exc:  # reporting must never stop the stage it reports on
+                log.warning("progress report failed: %s", exc)
+
+    @property
+    def last_step(self) -> int:
+        return max(self.lines, default=0)
+
+    def poll(self) -> None:
+        """Read new metric lines and checkpoints; update the UI for what changed."""
+        new_lines = self._read_new_lines()
+        if new_lines and self._artifact is not None:
+            progress = min(100.0, 100.0 * self.last_step / max(self.total_steps, 1))
+            update_progress_artifact(self._artifact, progress=progress)
+            if self.last_step - self._last_table_step >= self.table_every:
+                self._write_table()
+        for step in sorted(set(committed_steps(self.store, "checkpoints")) - self.checkpoints):
+            self.checkpoints.add(step)
+            uri = self.store.url(RunLayout.checkpoint_dir(step))
+            emit_checkpoint_event(self.run_name, step, uri)
+
+    def _read_new_lines(self) -> list[dict[str, Any]]:
+        prefix = join(METRICS_DIR, self.stage)
+        new = []
+        for name in self.store.list(prefix):
+            step = RunLayout.parse_step(name.removesuffix(".jsonl"))
+            if step is None or step in self.lines:
+                continue
+            line = json.loads(self.store.read_bytes(join(prefix, name)))
+            self.lines[step] = line
+            new.append(line)
+            if self.on_step is not None:
+                self.on_step(line)
+        return new
+
+    def _write_table(self, force: bool = False) -> None:
+        if not self.lines or (not force and self.last_step == self._last_table_step):
+            return
+        rows = [
+            {k: v for k, v in self.lines[s].items() if isinstance(v, int | float | str)}
+            for s in sorted(self.lines)[-self.table_rows :]
+        ]
+        create_table_artifact(
+            table=rows,
+            key=artifact_key(self.run_name, self.stage, "metrics"),
+            description=f"{self.stage}: the last {len(rows)} steps' metrics",
+        )
+        self._last_table_step = self.last_step

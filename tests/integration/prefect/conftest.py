@@ -1,0 +1,30 @@
+"""One real Prefect server per test session, on 127.0.0.1, in its own PREFECT_HOME."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows import server
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The API URL of a Prefect server that lives for the whole session."""
+    home = Path(tmp_path_factory.mktemp("prefect-home"))
+    state = server.start(home, port=_free_port())
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: state.api_url}):
+            yield state.api_url
+    finally:
+        server.stop(home)

@@ -1,0 +1,75 @@
+"""The stage monitor turns committed storage state into Prefect artifacts and events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.events.filters import EventFilter, EventNameFilter
+
+from engine.trainer.metrics import write_metrics
+from storage.commit import commit_step, digest_bytes
+from storage.layout import RunLayout
+from storage.store import ObjectStore
+from tasks.reporting import CHECKPOINT_EVENT, StageMonitor, artifact_key
+
+pytestmark = pytest.mark.integration
+
+
+def fake_trainer(store: ObjectStore, steps: int) -> None:
+    """What the trainer pool leaves in storage: one metric line per step, a checkpoint every 2."""
+    for step in range(1, steps + 1):
+        write_metrics(store, "rl", step, {"loss": 1.0 / step, "reward": 0.1 * step})
+        if step % 2 == 0:
+            folder = RunLayout.checkpoint_dir(step)
+            data = b"weights-%d" % step
+            store.write_bytes(f"{folder}/model.safetensors", data)
+            commit_step(store, folder, {"model.safetensors": digest_bytes(data)}, step=step)
+        time.sleep(0.05)
+
+
+async def _artifacts(key: str) -> list:
+    async with get_client() as client:
+        return await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
+
+
+async def _events(name: str, run: str) -> list:
+    async with get_client() as client:
+        page = await client.read_events(
+            filter=EventFilter(event=EventNameFilter(name=[name])), limit=50
+        )
+    return [e for e in page.events if e.payload.get("run") == run]
+
+
+def test_monitor_reports_progress_table_and_checkpoint_events(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    store = ObjectStore(f"file://{tmp_path}/runs/mon-test")
+    run = "mon-test"
+
+    @flow(name="monitor-test")
+    def stage() -> int:
+        with StageMonitor(store, run, "rl", total_steps=6, interval_s=0.1, table_every=2) as mon:
+            fake_trainer(store, 6)
+        return mon.last_step
+
+    assert stage() == 6
+    progress = asyncio.run(_artifacts(artifact_key(run, "rl", "progress")))
+    assert progress and float(progress[0].data) == 100.0
+    table = asyncio.run(_artifacts(artifact_key(run, "rl", "metrics")))
+    assert table, "no metrics table artifact"
+    assert "reward" in str(table[0].data)
+
+    deadline = time.monotonic() + 20
+    steps: set[int] = set()
+    while time.monotonic() < deadline and steps != {2, 4, 6}:
+        steps = {e.payload["step"] for e in asyncio.run(_events(CHECKPOINT_EVENT, run))}
+        time.sleep(0.5)
+    assert steps == {2, 4, 6}
