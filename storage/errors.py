@@ -231,10 +231,32 @@ def is_transient(exc: BaseException) -> bool:
     return _http_status(exc) in _TRANSIENT_HTTP_STATUSES
 
 
+# Codes that mean the server refused who we are or what we may do. Answers to HEAD requests carry
+# no body, so there the bare status ("403") is all a client gets.
+_REFUSED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "AuthorizationHeaderMalformed",
+        "401",
+        "403",
+    }
+)
+
+
 def describe(exc: BaseException) -> str:
-    """A one-line reason for `exc`, with the S3 error code where there is one."""
+    """A one-line reason for `exc`, with the S3 error code where there is one.
+
+    Refused credentials say so in plain words: a bare "403: Forbidden" does not tell a user
+    that the fix is in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the bucket policy.
+    """
     code = s3_error_code(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if code and code not in text:
-        return f"{code}: {text}"
-    return text
+    reason = f"{code}: {text}" if code and code not in text else text
+    if code in _REFUSED_CODES or (code is None and _http_status(exc) in (401, 403)):
+        return f"access refused, check the credentials and their permissions ({reason})"
+    return reason
