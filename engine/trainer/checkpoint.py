@@ -1,24 +1,22 @@
 """Checkpoints: a Hugging Face folder plus the trainer state for exact resume.
 
-`<store>/checkpoints/step_NNNNNN/` holds
+Written and read through `storage.checkpoints` (commit protocol, verified fetch, retention).
+The trainer's part is what goes in:
 
-- `model*.safetensors` (+ index when split), `config.json`, tokenizer and generation files:
-  the full fp32 weights gathered from the FSDP shards, loadable by `transformers` and vLLM as
-  they are (a tied LM head is stored once, as Hugging Face does);
-- `trainer/optimizer.safetensors` (AdamW moments and step per parameter, by parameter name),
-  `trainer/rng.safetensors` (each rank's CPU and CUDA generator states) and `trainer/state.json`
-  (step, data position, scheduler, optimizer hyper-parameters);
-- `_COMMITTED`, written last by the storage commit protocol.
+- weights: the full fp32 state dict gathered from the FSDP shards, with a tied LM head left out
+  as Hugging Face does, so `transformers` and vLLM load the folder as it is; `config.json` keeps
+  the base model's dtype, so servers still load it in bf16;
+- trainer tensors (safetensors): AdamW moments and step per parameter name
+  (`optimizer/<param>/<state>`) and every rank's CPU/CUDA generator (`rng/rank<r>/<device>`);
+- progress (JSON): step, data position, scheduler, optimizer hyper-parameters, world size.
 
-Only safetensors and JSON: nothing is unpickled on resume. State dicts are full (unsharded), so
-a run can resume on a different number of ranks; that costs one gather per checkpoint, which is
-cheap at the model sizes one node trains.
+Nothing is unpickled on resume. State dicts are full (unsharded), so a run can resume on a
+different number of ranks (RNG states are then left as they are); a checkpoint costs one
+gather, which is cheap at the sizes one node trains.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,8 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,20 +34,23 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from engine.config.trainer import CheckpointConfig
 from engine.trainer.distributed import DistInfo
 from engine.trainer.model import PolicyModel
-from storage.commit import begin_step, commit_step, digest_file, latest_committed_step, read_commit
-from storage.commit import read_verified as _read_verified
+from storage.checkpoints import (
+    apply_retention,
+    fetch_checkpoint,
+    load_checkpoint_weights,
+    load_trainer_state,
+    write_checkpoint,
+)
+from storage.commit import latest_committed_step
 from storage.layout import RunLayout
-from storage.paths import join
 from storage.store import ObjectStore
 
-TRAINER_DIR = "trainer"
-OPTIMIZER_FILE = f"{TRAINER_DIR}/optimizer.safetensors"
-RNG_FILE = f"{TRAINER_DIR}/rng.safetensors"
-STATE_FILE = f"{TRAINER_DIR}/state.json"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_KEY_SEP = "::"
+OPTIMIZER_PREFIX = "optimizer/"
+RNG_PREFIX = "rng/"
 
 
 def _tied_head_key(policy: PolicyModel) -> str | None:
@@ -70,24 +69,10 @@ def _embedding_key(policy: PolicyModel) -> str:
     )
 
 
-def _write_weights(folder: Path, weights: dict[str, torch.Tensor], max_shard_gb: float) -> None:
-    split = split_torch_state_dict_into_shards(
-        weights,
-        filename_pattern="model{suffix}.safetensors",
-        max_shard_size=int(max_shard_gb * 1e9),
-    )
-    for filename, names in split.filename_to_tensors.items():
-        shard = {name: weights[name].contiguous() for name in names}
-        save_file(shard, str(folder / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {**split.metadata}, "weight_map": split.tensor_to_filename}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
 def _optimizer_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """`{param: {exp_avg, exp_avg_sq, step}}` → flat `{"param::exp_avg": tensor}` (safetensors)."""
+    """`{param: {exp_avg, exp_avg_sq, step}}` → `{"optimizer/param/exp_avg": tensor}`."""
     return {
-        f"{param}{_KEY_SEP}{name}": value.detach().cpu().contiguous()
+        f"{OPTIMIZER_PREFIX}{param}/{name}": value.detach().cpu()
         for param, values in state.items()
         for name, value in values.items()
     }
@@ -96,8 +81,9 @@ def _optimizer_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 def _optimizer_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     state: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
-        param, name = key.rsplit(_KEY_SEP, 1)
-        state.setdefault(param, {})[name] = value
+        if key.startswith(OPTIMIZER_PREFIX):
+            param, name = key.removeprefix(OPTIMIZER_PREFIX).rsplit("/", 1)
+            state.setdefault(param, {})[name] = value
     return state
 
 
@@ -117,13 +103,12 @@ def save_checkpoint(
     dist_info: DistInfo,
     *,
     progress: Mapping[str, Any],
-    assets_dir: Path | None,
-    max_shard_gb: float,
+    files: Mapping[str, bytes],
+    config: CheckpointConfig,
 ) -> None:
-    """Gather and commit `checkpoints/step_<step>` (collective: every rank must call it).
+    """Gather and commit `checkpoints/step_<step>`, then apply retention (collective).
 
-    `progress` is the data position (JSON); `assets_dir` holds tokenizer/generation files to
-    ship with the weights.
+    `progress` is the data position (JSON); `files` are tokenizer/generation files to ship.
     """
     weights = get_model_state_dict(policy, options=_FULL)
     optim_state = get_optimizer_state_dict(policy, optimizer, options=_FULL)
@@ -133,65 +118,33 @@ def save_checkpoint(
         tied = _tied_head_key(policy)
         if tied is not None:
             weights.pop(tied, None)
-        with tempfile.TemporaryDirectory(prefix="primeflow-ckpt-") as tmp:
-            folder = Path(tmp)
-            (folder / TRAINER_DIR).mkdir()
-            _write_weights(folder, {k: v.float() for k, v in weights.items()}, max_shard_gb)
-            policy.config.to_json_file(str(folder / "config.json"))
-            if assets_dir is not None:
-                for asset in assets_dir.iterdir():
-                    shutil.copy(asset, folder / asset.name)
-            save_file(_optimizer_tensors(optim_state["state"]), str(folder / OPTIMIZER_FILE))
-            rng = {
-                f"rank{rank}.{kind}": tensor
-                for rank, states in enumerate(rng_states)
-                for kind, tensor in (states or {}).items()
-            }
-            save_file(rng, str(folder / RNG_FILE))
-            state = {
+        trainer_tensors = _optimizer_tensors(optim_state["state"])
+        for rank, states in enumerate(rng_states):
+            for device, tensor in (states or {}).items():
+                trainer_tensors[f"{RNG_PREFIX}rank{rank}/{device}"] = tensor
+        write_checkpoint(
+            store,
+            step,
+            weights={name: tensor.float() for name, tensor in weights.items()},
+            config=policy.config.to_dict(),
+            files=files,
+            trainer_state=trainer_tensors,
+            progress={
                 "step": step,
                 "world_size": dist_info.world_size,
-                "progress": dict(progress),
+                "data": dict(progress),
                 "param_groups": optim_state["param_groups"],
                 "scheduler": scheduler.state_dict(),
-            }
-            (folder / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
-            commit_folder(store, RunLayout.checkpoint_dir(step), folder, step)
+            },
+            max_shard_bytes=int(config.max_shard_gb * 2**30),
+        )
+        apply_retention(store, keep_last=config.keep_last, keep_every=config.keep_every)
     dist.barrier()
-
-
-def commit_folder(store: ObjectStore, step_dir: str, folder: Path, step: int) -> None:
-    """Upload every file under `folder` to `step_dir`, then write its `_COMMITTED` marker."""
-    begin_step(store, step_dir)
-    digests = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        name = path.relative_to(folder).as_posix()
-        digests[name] = digest_file(path)
-        store.upload_file(path, join(step_dir, name))
-    commit_step(store, step_dir, digests, step=step)
-
-
-def fetch_folder(store: ObjectStore, step_dir: str, target: Path) -> Path:
-    """Download a committed step folder into `target`, verifying every file against its marker."""
-    record = read_commit(store, step_dir)
-    for name, expected in record.files.items():
-        path = target / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(_read_verified(store, join(step_dir, name), expected))
-    return target
 
 
 def latest_checkpoint(store: ObjectStore) -> int | None:
     """The newest committed checkpoint step, or None (a half-written one is never chosen)."""
     return latest_committed_step(store, RunLayout.CHECKPOINTS)
-
-
-def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the HF folder's safetensors files."""
-    weights: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("model*.safetensors")):
-        weights.update(load_file(str(path)))
-    return weights
 
 
 def load_checkpoint(
@@ -202,27 +155,27 @@ def load_checkpoint(
     scheduler: LRScheduler,
     dist_info: DistInfo,
 ) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG from committed `step`; return its progress."""
+    """Restore weights, optimizer, scheduler and RNG from committed `step`; return its data
+    position."""
     with tempfile.TemporaryDirectory(prefix="primeflow-resume-") as tmp:
-        folder = fetch_folder(store, RunLayout.checkpoint_dir(step), Path(tmp))
-        weights = load_weights(folder)
-        tied = _tied_head_key(policy)
-        if tied is not None:
-            weights[tied] = weights[_embedding_key(policy)]
-        optim_tensors = load_file(str(folder / OPTIMIZER_FILE))
-        rng = load_file(str(folder / RNG_FILE))
-        state = json.loads((folder / STATE_FILE).read_text())
+        folder = fetch_checkpoint(store, step, Path(tmp) / "ckpt", trainer_state=True)
+        weights = load_checkpoint_weights(folder)
+        state = load_trainer_state(folder)
+    tied = _tied_head_key(policy)
+    if tied is not None:
+        weights[tied] = weights[_embedding_key(policy)]
+    progress = state.progress
     set_model_state_dict(policy, weights, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(
         policy,
         optimizer,
-        {"state": _optimizer_state(optim_tensors), "param_groups": state["param_groups"]},
+        {"state": _optimizer_state(state.tensors), "param_groups": progress["param_groups"]},
         options=StateDictOptions(full_state_dict=True),
     )
-    scheduler.load_state_dict(state["scheduler"])
-    if state["world_size"] == dist_info.world_size:
-        torch.set_rng_state(rng[f"rank{dist_info.rank}.cpu"])
-        cuda_key = f"rank{dist_info.rank}.cuda"
-        if dist_info.device.type == "cuda" and cuda_key in rng:
-            torch.cuda.set_rng_state(rng[cuda_key], dist_info.device)
-    return state["progress"]
+    scheduler.load_state_dict(progress["scheduler"])
+    if progress["world_size"] == dist_info.world_size:
+        torch.set_rng_state(state.tensors[f"{RNG_PREFIX}rank{dist_info.rank}/cpu"])
+        cuda = state.tensors.get(f"{RNG_PREFIX}rank{dist_info.rank}/cuda")
+        if dist_info.device.type == "cuda" and cuda is not None:
+            torch.cuda.set_rng_state(cuda, dist_info.device)
+    return progress["data"]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from engine.models import resolve_model
 from engine.trainer.attention import ATTENTION_NAME
@@ -47,15 +47,22 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_causal_lm(name: str, options: ModelOptions) -> PreTrainedModel:
-    """fp32 HF model from a hub id, local folder or `primeflow/tiny-qwen3`, on CPU."""
+    """fp32 HF model from a hub id, local folder or `primeflow/tiny-qwen3`, on CPU.
+
+    The config keeps the dtype the model was published in, so checkpoints written from it are
+    still served in that dtype although the trainer's master weights are fp32.
+    """
+    path = resolve_model(name)
+    kwargs: dict[str, Any] = {
+        "trust_remote_code": options.trust_remote_code,
+        "revision": options.revision,
+    }
+    published = AutoConfig.from_pretrained(path, **kwargs).dtype
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model(name),
-        dtype=torch.float32,
-        attn_implementation=ATTENTION_NAME,
-        trust_remote_code=options.trust_remote_code,
-        revision=options.revision,
+        path, dtype=torch.float32, attn_implementation=ATTENTION_NAME, **kwargs
     )
     model.config.use_cache = False
+    model.config.dtype = published
     return model
 
 

@@ -78,16 +78,17 @@ def _load_tokenizer(name: str, revision: str | None) -> PreTrainedTokenizerBase 
         return None
 
 
-def write_assets(name: str, revision: str | None, folder: Path) -> Path:
-    """Tokenizer and generation config of the base model, shipped with every checkpoint."""
-    tokenizer = _load_tokenizer(name, revision)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
-    with contextlib.suppress(OSError):
-        GenerationConfig.from_pretrained(resolve_model(name), revision=revision).save_pretrained(
-            str(folder)
-        )
-    return folder
+def model_assets(name: str, revision: str | None) -> dict[str, bytes]:
+    """Tokenizer and generation config files of the base model, shipped with every checkpoint."""
+    with tempfile.TemporaryDirectory(prefix="primeflow-assets-") as tmp:
+        folder = Path(tmp)
+        tokenizer = _load_tokenizer(name, revision)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+        with contextlib.suppress(OSError):
+            generation = GenerationConfig.from_pretrained(resolve_model(name), revision=revision)
+            generation.save_pretrained(str(folder))
+        return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     run_store: ObjectStore
-    assets_dir: Path
+    assets: dict[str, bytes]
     max_steps: int
 
     @property
@@ -138,8 +139,8 @@ class Trainer:
             self.scheduler,
             self.dist,
             progress=progress,
-            assets_dir=self.assets_dir,
-            max_shard_gb=self.config.trainer.checkpoint.max_shard_gb,
+            files=self.assets,
+            config=self.config.trainer.checkpoint,
         )
 
     def should_checkpoint(self, step: int) -> bool:
@@ -167,7 +168,7 @@ def build_trainer(
     config: PrimeflowConfig,
     stage: Stage,
     dist: DistInfo,
-    assets_dir: Path,
+    assets: dict[str, bytes],
     optim: OptimizerConfig,
     scheduler_config: SchedulerConfig,
     max_steps: int,
@@ -205,12 +206,12 @@ def build_trainer(
         ctx=ctx,
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, scheduler_config, max_steps),
-        assets_dir=assets_dir,
+        assets=assets,
         max_steps=max_steps,
     )
 
 
-def run_rl(config: PrimeflowConfig, dist: DistInfo, assets_dir: Path) -> None:
+def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -> None:
     """RL: one optimizer step per committed rollout step, up to `trainer.max_steps`."""
     trainer_config = config.trainer
     assert trainer_config.max_steps is not None
@@ -218,7 +219,7 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets_dir: Path) -> None:
         config,
         "rl",
         dist,
-        assets_dir,
+        assets,
         trainer_config.optim,
         trainer_config.scheduler,
         trainer_config.max_steps,
@@ -257,7 +258,7 @@ def sft_max_steps(config: PrimeflowConfig, data: SftDataset) -> int:
     return max(1, min(sft.max_steps, math.ceil(sft.epochs * len(data.train) / sft.batch_size)))
 
 
-def run_sft(config: PrimeflowConfig, dist: DistInfo, assets_dir: Path) -> None:
+def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -> None:
     """SFT: NLL on assistant tokens, seeded epochs, eval loss on the held-out split."""
     sft = config.sft
     assert config.trainer.model is not None and config.trainer.seq_len is not None
@@ -272,7 +273,7 @@ def run_sft(config: PrimeflowConfig, dist: DistInfo, assets_dir: Path) -> None:
         allow_truncation=config.trainer.truncate,
     )
     max_steps = sft_max_steps(config, data)
-    trainer = build_trainer(config, "sft", dist, assets_dir, sft.optim, sft.scheduler, max_steps)
+    trainer = build_trainer(config, "sft", dist, assets, sft.optim, sft.scheduler, max_steps)
     first, progress = trainer.resume()
     position = int(progress.get("position", 0))
     for step in range(first, max_steps + 1):
@@ -300,12 +301,11 @@ def evaluate(trainer: Trainer, samples: Sequence[Sample], batch_size: int) -> di
 
 def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
     """Join the process group and run `stage` on this rank."""
+    assert config.trainer.model is not None
     dist = init_distributed(config.trainer.parallel.backend)
     try:
-        with tempfile.TemporaryDirectory(prefix="primeflow-assets-") as tmp:
-            assert config.trainer.model is not None
-            assets = write_assets(config.trainer.model, config.model.revision, Path(tmp))
-            (run_sft if stage == "sft" else run_rl)(config, dist, assets)
+        assets = model_assets(config.trainer.model, config.model.revision)
+        (run_sft if stage == "sft" else run_rl)(config, dist, assets)
     finally:
         close_distributed()
 

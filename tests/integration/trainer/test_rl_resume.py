@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engine.trainer.checkpoint import fetch_folder
 from engine.trainer.metrics import read_metrics
 from engine.trainer.rollouts import RolloutDataError, samples_from_rollouts
 from engine.trainer.worker import open_run_store, run_stage
+from storage.checkpoints import fetch_checkpoint
 from storage.layout import RunLayout
 from storage.shards import rows_to_table
 from tests.integration.trainer.conftest import make_config, rollout_rows, write_steps
@@ -23,7 +23,7 @@ from tests.integration.trainer.conftest import make_config, rollout_rows, write_
 
 def checkpoint_weights(config, step: int) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as tmp:
-        folder = fetch_folder(open_run_store(config), RunLayout.checkpoint_dir(step), Path(tmp))
+        folder = fetch_checkpoint(open_run_store(config), step, Path(tmp) / "ckpt")
         return load_file(str(folder / "model.safetensors"))
 
 
@@ -67,10 +67,10 @@ def test_checkpoint_is_a_transformers_folder_matching_the_trainer(
     write_steps(config, range(1, 2))
     run_stage(config, "rl")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = fetch_folder(open_run_store(config), RunLayout.checkpoint_dir(1), Path(tmp))
+        folder = fetch_checkpoint(open_run_store(config), 1, Path(tmp) / "ckpt", trainer_state=True)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         stored = load_file(str(folder / "model.safetensors"))
-        state = json.loads((folder / "trainer" / "state.json").read_text())
+        state = json.loads((folder / "trainer" / "progress.json").read_text())
         assert (folder / "tokenizer.json").is_file()
     # Every stored tensor is the model's parameter as transformers loaded it (tied head included).
     params = dict(model.named_parameters())
@@ -82,7 +82,7 @@ def test_checkpoint_is_a_transformers_folder_matching_the_trainer(
         (params[n].detach() - p.detach()).abs().max().item() for n, p in original.named_parameters()
     )
     assert 0 < moved < 1e-2, "one AdamW step at lr 1e-3 moves weights by about lr"
-    assert state["step"] == 1 and state["progress"] == {"rollout_step": 1}
+    assert state["step"] == 1 and state["data"] == {"rollout_step": 1}
 
 
 def test_bad_rollouts_fail_with_the_row_and_the_reason() -> None:
