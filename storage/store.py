@@ -9,6 +9,8 @@ also a `FileNotFoundError`.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import shutil
 import uuid
@@ -73,24 +75,26 @@ class ObjectStore:
         backoff_s: float = 0.2,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
+        self._settings: dict[str, Any] = {
+            "endpoint_url": endpoint_url,
+            "region": region,
+            "retries": retries,
+            "backoff_s": backoff_s,
+            "storage_options": storage_options,
+        }
         self._backend = open_backend(
             root_uri, endpoint_url=endpoint_url, region=region, storage_options=storage_options
         )
         self._policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
-        self._endpoint_url = endpoint_url
 
-    @classmethod
-    def _sharing(cls, parent: ObjectStore, backend: Backend) -> ObjectStore:
-        """A store on `backend` with the parent's filesystem instance and retry policy."""
-        store = cls.__new__(cls)
-        store._backend = backend
-        store._policy = parent._policy
-        store._endpoint_url = parent._endpoint_url
-        return store
+    def __reduce__(self) -> tuple[Callable[..., ObjectStore], tuple[str]]:
+        # Reopen from the settings rather than pickling the filesystem, whose tuning
+        # (s3fs retries) would not survive the trip; settings never hold credentials.
+        return functools.partial(ObjectStore, **self._settings), (self.url(),)
 
     def __repr__(self) -> str:
-        endpoint = f", endpoint_url={self._endpoint_url!r}" if self._endpoint_url else ""
-        return f"ObjectStore({self.url()!r}{endpoint})"
+        endpoint = self._settings["endpoint_url"]
+        return f"ObjectStore({self.url()!r}{f', endpoint_url={endpoint!r}' if endpoint else ''})"
 
     @property
     def protocol(self) -> str:
@@ -104,8 +108,9 @@ class ObjectStore:
     def child(self, path: str) -> ObjectStore:
         """A store rooted at `path` below this one, sharing its settings and connections."""
         sub = clean_path(path, allow_empty=False)
-        backend = Backend(self._backend.fs, self.protocol, self._backend.full_path(sub))
-        return ObjectStore._sharing(self, backend)
+        store = copy.copy(self)
+        store._backend = Backend(self._backend.fs, self.protocol, self._backend.full_path(sub))
+        return store
 
     def _call(self, path: str, fn: Callable[[str], Any]) -> Any:
         """Run `fn(full_path)` under the retry policy, with errors naming `path`'s URI."""

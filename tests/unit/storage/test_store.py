@@ -217,3 +217,13 @@ def test_storage_errors_survive_pickling() -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert isinstance(copy, FileNotFoundError)
     assert (copy.uri, str(copy)) == ("s3://b/k", str(error))
+
+
+def test_stores_survive_pickling_with_their_settings(memory_store: ObjectStore) -> None:
+    child = memory_store.child("runs/r1")
+    child.write_bytes("x", b"1")
+    copy = pickle.loads(pickle.dumps(child))
+    assert repr(copy) == repr(child)
+    assert copy.read_bytes("x") == b"1"
+    s3 = ObjectStore("s3://bucket/p", endpoint_url="http://127.0.0.1:9", retries=2)
+    assert repr(pickle.loads(pickle.dumps(s3.child("a")))) == repr(s3.child("a"))
