@@ -2,9 +2,12 @@
 
 `run_trainer(config, stage)` is what `primeflow trainer` / `primeflow sft` call: it writes the
 resolved config to a file, starts `torchrun ... -m engine.trainer.worker` in a new session (so
-the pool can be killed as one group without touching the caller), waits for it, and always
-tears the group down on the way out. Workers watch the caller's pid and end the group
-themselves if the caller dies without cleaning up (`engine.trainer.supervision`).
+signals for the pool never reach the caller), waits for it, and always stops it on the way out.
+
+Stopping: SIGTERM to torchrun, which stops its ranks (each runs in a session of its own), then
+SIGKILL after a grace period. Ranks watch both the caller and torchrun and kill themselves when
+either is gone (`engine.trainer.supervision`), so even a SIGKILLed caller or torchrun leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class TrainerPool:
 
     @property
     def pgid(self) -> int:
-        """The pool's process group id (the torchrun pid), for supervisors that record it."""
+        """torchrun's process group id (its pid), for supervisors that record it; killing this
+        group stops the ranks too, through their watchers."""
         if self.process is None:
             raise RuntimeError("the pool has not been started")
         return self.process.pid
@@ -79,8 +83,8 @@ class TrainerPool:
             raise RuntimeError("the pool has not been started")
         return self.process.wait(timeout)
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole group, then SIGKILL what is left after `grace_s`."""
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM torchrun (it stops its ranks), then SIGKILL its group after `grace_s`."""
         if self.process is not None and self.process.poll() is None:
             self._signal(signal.SIGTERM)
             try:
@@ -88,9 +92,6 @@ class TrainerPool:
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
                 self.process.wait()
-        # Ranks may outlive torchrun briefly; the group id still names them.
-        if self.process is not None:
-            self._signal(signal.SIGKILL)
         self._tmp.cleanup()
 
     def _signal(self, sig: signal.Signals) -> None:

@@ -1,9 +1,10 @@
-"""Exit when the supervisor is gone, so a killed flow never leaves a trainer running.
+"""Exit when the supervisor or torchrun is gone, so a killed flow never leaves a rank running.
 
-The pool launcher records its own pid in `PRIMEFLOW_SUPERVISOR_PID` before it starts torchrun in
-a new process group. Each worker polls that process; once it is gone (or its pid was reused by
-a process that started later) the worker terminates its whole group — torchrun and every rank
-on this node — and ranks on other nodes fail their next collective and exit too.
+The pool launcher records its own pid in `PRIMEFLOW_SUPERVISOR_PID` and starts torchrun in a new
+process group; torchrun starts every rank in a session of its own. Each rank polls two
+processes: the supervisor (gone, or its pid reused by a later process) and its parent, torchrun
+(the rank was re-parented). When either is gone the rank kills its own process group. torchrun,
+having lost its workers, exits by itself; ranks on other nodes fail their next collective.
 """
 
 from __future__ import annotations
@@ -43,26 +44,31 @@ def _alive(pid: int, started: str | None) -> bool:
     return _start_time(pid) == started
 
 
-def _kill_group() -> None:
-    """SIGKILL the group, this process included: a rank stuck in a collective ignores SIGTERM,
+def _kill_group(why: str) -> None:
+    """SIGKILL this rank's group, itself included: a rank stuck in a collective ignores SIGTERM,
     and nothing needs a graceful end (a half-written checkpoint is never committed)."""
     group = os.getpgrp()
-    log.error("supervisor is gone; killing trainer process group %d", group)
+    log.error("%s; killing trainer process group %d", why, group)
     os.killpg(group, signal.SIGKILL)
 
 
 def watch_supervisor(poll_s: float = 1.0) -> threading.Thread | None:
-    """Start a daemon thread watching `$PRIMEFLOW_SUPERVISOR_PID`; None when it is unset."""
+    """Start a daemon thread watching `$PRIMEFLOW_SUPERVISOR_PID` and the parent; None when the
+    variable is unset (a worker started by hand)."""
     value = os.environ.get(SUPERVISOR_ENV)
     if not value:
         return None
     pid = int(value)
     started = _start_time(pid)
+    parent = os.getppid()
 
     def watch() -> None:
-        while started is not None and _alive(pid, started):
+        while True:
+            if started is None or not _alive(pid, started):
+                _kill_group(f"supervisor {pid} is gone")
+            if os.getppid() != parent:
+                _kill_group(f"parent {parent} (torchrun) is gone")
             time.sleep(poll_s)
-        _kill_group()
 
     thread = threading.Thread(target=watch, name="primeflow-supervisor-watch", daemon=True)
     thread.start()

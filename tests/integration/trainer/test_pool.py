@@ -1,0 +1,117 @@
+"""The torchrun pool: 2 gloo ranks equal 1, and the pool dies with its supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.trainer.metrics import read_metrics
+from engine.trainer.pool import run_trainer
+from engine.trainer.worker import open_run_store
+from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
+from tests.integration.trainer.conftest import make_config, write_steps
+
+
+def weights(config, step: int) -> dict[str, torch.Tensor]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_checkpoint_weights(
+            fetch_checkpoint(open_run_store(config), step, Path(tmp) / "ckpt")
+        )
+
+
+def test_two_gloo_ranks_take_the_same_steps_as_one(tmp_path: Path, tiny_model_dir: Path) -> None:
+    configs = {}
+    for nproc in (1, 2):
+        config = make_config(
+            tmp_path,
+            tiny_model_dir,
+            f"ranks-{nproc}",
+            max_steps=2,
+            trainer={"parallel": {"nproc_per_node": nproc, "backend": "gloo"}},
+        )
+        write_steps(config, range(1, 3))
+        assert run_trainer(config, "rl") == 0
+        configs[nproc] = config
+    one = read_metrics(open_run_store(configs[1]), "rl")
+    two = read_metrics(open_run_store(configs[2]), "rl")
+    for a, b in zip(one, two, strict=True):
+        assert a["loss_tokens"] == b["loss_tokens"] and a["tokens"] == b["tokens"]
+        # Same batch, same normalisation; only the order of fp32 sums differs.
+        for key in ("loss", "grad_norm", "entropy", "mismatch_kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    w1, w2 = weights(configs[1], 2), weights(configs[2], 2)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pool_exits_when_its_supervisor_dies(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = make_config(tmp_path, tiny_model_dir, "orphan", trainer={"rollout_timeout_s": 600})
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.model_dump_json())
+    # The supervisor starts the pool (which waits for rollouts that never come), reports the
+    # pool's process group, then is killed without any chance to clean up.
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from engine.config import PrimeflowConfig
+        from engine.trainer.pool import TrainerPool
+        config = PrimeflowConfig.model_validate_json(Path({str(config_path)!r}).read_text())
+        pool = TrainerPool(config, "rl")
+        pool.start()
+        print(pool.pgid, flush=True)
+        time.sleep(600)
+        """
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=os.getcwd()
+    )
+    assert supervisor.stdout is not None
+    pgid = int(supervisor.stdout.readline())
+    # Let the worker come up (imports, model load) so its watcher runs, then kill the supervisor.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_tree(pgid)) < 2:
+        time.sleep(0.5)
+    assert len(_tree(pgid)) >= 2, "torchrun and its rank should be running"
+    rank = _tree(pgid)[1]
+    time.sleep(3)
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_tree(pgid) or _tree(rank)):
+        time.sleep(0.5)
+    assert not _tree(pgid) and not _tree(rank), "the pool outlived its supervisor"
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid → (parent pid, state) of every process."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(entry.name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _tree(root: int) -> list[int]:
+    """Live (non-zombie) `root` and its descendants."""
+    table = _processes()
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in table and table[pid][1] != "Z":
+            found.append(pid)
+        frontier += [child for child, (parent, _) in table.items() if parent == pid]
+    return found
