@@ -94,10 +94,10 @@ def _bucket_root(protocol: str, location: str) -> str:
     return f"{bucket}/{prefix}" if prefix else bucket
 
 
-def _check_no_credentials(options: dict[str, Any]) -> None:
+def _check_no_credentials(protocol: str, options: dict[str, Any]) -> None:
     nested = options.get("client_kwargs") or {}
     found = sorted((_CREDENTIAL_OPTIONS & options.keys()) | (_CREDENTIAL_OPTIONS & nested.keys()))
-    if "token" in found and isinstance(options.get("token"), str):
+    if protocol == "gs" and "token" in found and isinstance(options.get("token"), str):
         # gcsfs takes `token` as a method name ("anon", "google_default") or a key-file path.
         found.remove("token")
     if found:
@@ -159,7 +159,7 @@ def open_backend(
     """The filesystem and root path for `root_uri` (file://, bare path, memory://, s3://, gs://)."""
     protocol, location = split_uri(root_uri)
     options = dict(storage_options or {})
-    _check_no_credentials(options)
+    _check_no_credentials(protocol, options)
     if protocol in ("file", "memory") and (endpoint_url or region):
         raise ValueError(f"endpoint_url and region apply to s3:// and gs://, not {root_uri!r}")
     if region and protocol != "s3":

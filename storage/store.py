@@ -60,9 +60,10 @@ def _is_hidden(path: str) -> bool:
 class ObjectStore:
     """Objects below a root URI: `file://`, bare local paths, `memory://`, `s3://`, `gs://`.
 
-    S3 settings: the endpoint comes from `endpoint_url` or `AWS_ENDPOINT_URL`, addressing is
-    path-style, and `region` is handed to botocore. Credentials are never passed in: they come
-    from the environment or the standard AWS/Google chains, so no store holds or prints them.
+    S3 settings: the endpoint comes from `endpoint_url`, `AWS_ENDPOINT_URL_S3` or
+    `AWS_ENDPOINT_URL`, addressing is path-style, and `region` is handed to botocore.
+    Credentials are never passed in: they come from the environment or the standard AWS/Google
+    chains, so no store holds or prints them.
     """
 
     def __init__(

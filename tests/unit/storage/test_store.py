@@ -152,6 +152,7 @@ def test_bucket_uris_keep_their_form_and_never_show_credentials(
     [
         ("s3://b", {"key": "AKIA", "secret": "s"}),
         ("s3://b", {"client_kwargs": {"aws_secret_access_key": "s"}}),
+        ("s3://b", {"token": "session-token"}),
         ("gs://b", {"token": {"private_key": "..."}}),
     ],
 )
