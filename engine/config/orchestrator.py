@@ -32,6 +32,13 @@ class EnvConfig(BaseConfig):
             min_length=1, description="reverse-text, alphabet-sort, arithmetic, or a package id."
         ),
     ] = "reverse-text"
+    name: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            description="Label in shards and metrics; None: the id. Needed to mix one id twice.",
+        ),
+    ] = None
     args: Annotated[
         dict[str, Any], Field(description="Keyword arguments for `load_environment`.")
     ] = {}

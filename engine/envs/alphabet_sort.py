@@ -1,0 +1,161 @@
+"""alphabet-sort: a multi-turn task that keeps a growing sorted list across turns.
+
+The first user turn gives a few names to sort; every later turn adds names and asks for the whole
+list again. Each reply is scored against that turn's sorted list with a character-level
+similarity, and the reward is the mean over the turns (a turn never reached scores 0), so every
+turn carries credit. Names come from a fixed list, drawn deterministically; the eval split never
+shares an example with the train split.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+import re
+from typing import Any
+
+import verifiers as vf
+
+from engine.envs.words import NAMES, distinct_draws, split_seeds
+
+FIRST_PROMPT = "Sort these names alphabetically, one per line, in <sorted> tags: {names}"
+NEXT_PROMPT = "Add these names and give the whole sorted list again: {names}"
+_ANSWER = re.compile(r"<sorted>(.*?)(?:</sorted>|$)", re.DOTALL)
+
+
+def parse_sorted(reply: str) -> str | None:
+    """The list inside the first `<sorted>` tag, one stripped name per line."""
+    match = _ANSWER.search(reply)
+    if match is None:
+        return None
+    return "\n".join(line.strip() for line in match.group(1).splitlines() if line.strip())
+
+
+def gold_lists(turns: list[list[str]]) -> list[str]:
+    """The expected answer of each turn: every name so far, sorted, one per line."""
+    seen: list[str] = []
+    golds = []
+    for names in turns:
+        seen.extend(names)
+        golds.append("\n".join(sorted(seen)))
+    return golds
+
+
+def turn_similarities(replies: list[str], turns: list[list[str]]) -> list[float]:
+    """Similarity of each turn's reply to its sorted list; turns without a reply score 0."""
+    scores = []
+    for index, gold in enumerate(gold_lists(turns)):
+        answer = parse_sorted(replies[index]) if index < len(replies) else None
+        if answer is None:
+            scores.append(0.0)
+        else:
+            scores.append(difflib.SequenceMatcher(None, answer, gold, autojunk=False).ratio())
+    return scores
+
+
+def draw_example(
+    rng: random.Random, num_turns: int, min_names: int, max_names: int
+) -> list[list[str]]:
+    """Names for each turn, all distinct within the example."""
+    sizes = [rng.randint(min_names, max_names) for _ in range(num_turns)]
+    names = rng.sample(NAMES, sum(sizes))
+    turns, start = [], 0
+    for size in sizes:
+        turns.append(names[start : start + size])
+        start += size
+    return turns
+
+
+def make_splits(
+    num_train: int, num_eval: int, seed: int, num_turns: int, min_names: int, max_names: int
+) -> tuple[list[list[list[str]]], list[list[list[str]]]]:
+    """Disjoint (train, eval) examples; eval is drawn first so it does not depend on `num_train`."""
+    train_seed, eval_seed = split_seeds(seed)
+
+    def draw(rng: random.Random) -> str:
+        return "|".join(
+            ",".join(names) for names in draw_example(rng, num_turns, min_names, max_names)
+        )
+
+    def decode(key: str) -> list[list[str]]:
+        return [names.split(",") for names in key.split("|")]
+
+    eval_keys = distinct_draws(num_eval, random.Random(eval_seed), draw)
+    train_keys = distinct_draws(num_train, random.Random(train_seed), draw, exclude=eval_keys)
+    return [decode(key) for key in train_keys], [decode(key) for key in eval_keys]
+
+
+def _replies(completion: Any) -> list[str]:
+    return [
+        message.get("content") or "" for message in completion if message.get("role") == "assistant"
+    ]
+
+
+class AlphabetSortEnv(vf.MultiTurnEnv):
+    """Serves the next turn's names until the example's turns run out."""
+
+    async def env_response(
+        self, messages: vf.Messages, state: vf.State, **kwargs: Any
+    ) -> vf.Messages:
+        turns = state["info"]["turns"]
+        answered = len(_replies(messages))
+        return [vf.UserMessage(content=NEXT_PROMPT.format(names=", ".join(turns[answered])))]
+
+
+def _rubric(num_turns: int) -> vf.Rubric:
+    def mean_similarity(completion: Any, info: dict[str, Any], **_: Any) -> float:
+        scores = turn_similarities(_replies(completion), info["turns"])
+        return sum(scores) / len(scores)
+
+    rubric = vf.Rubric(funcs=[mean_similarity])
+    for index in range(num_turns):
+
+        def turn_metric(
+            completion: Any, info: dict[str, Any], index: int = index, **_: Any
+        ) -> float:
+            return turn_similarities(_replies(completion), info["turns"])[index]
+
+        turn_metric.__name__ = f"turn_{index + 1}_similarity"
+        rubric.add_metric(turn_metric)
+    return rubric
+
+
+def load_environment(
+    num_train_examples: int = 10_000,
+    num_eval_examples: int = 512,
+    num_turns: int = 2,
+    min_names: int = 2,
+    max_names: int = 3,
+    seed: int = 0,
+) -> vf.Environment:
+    """A multi-turn verifiers environment over generated name lists."""
+    from datasets import Dataset
+
+    if num_turns < 1 or not 1 <= min_names <= max_names or num_turns * max_names > len(NAMES):
+        raise ValueError("need num_turns >= 1, 1 <= min_names <= max_names, and enough names")
+
+    def rows(examples: list[list[list[str]]]) -> Dataset:
+        return Dataset.from_list(
+            [
+                {
+                    "prompt": [
+                        {"role": "user", "content": FIRST_PROMPT.format(names=", ".join(turns[0]))}
+                    ],
+                    "answer": gold_lists(turns)[-1],
+                    "info": {"turns": turns},
+                }
+                for turns in examples
+            ]
+        )
+
+    def splits() -> tuple[list[list[list[str]]], list[list[list[str]]]]:
+        return make_splits(
+            num_train_examples, num_eval_examples, seed, num_turns, min_names, max_names
+        )
+
+    return AlphabetSortEnv(
+        dataset=lambda: rows(splits()[0]),
+        eval_dataset=lambda: rows(splits()[1]),
+        rubric=_rubric(num_turns),
+        max_turns=num_turns,
+    )

@@ -1,0 +1,82 @@
+"""Shared pieces of the environment tests: the tiny model's tokenizer and a scripted policy.
+
+The inference pool is the one external service here; `ScriptedPolicy` stands in for it with a
+deterministic policy over the real tokenizer (it answers from the prompt text), so environment
+logic, token bookkeeping and scoring can be checked exactly without a server. The same code
+runs against the real vLLM server in `tests/integration/orchestrator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config.orchestrator import SamplingConfig
+from engine.envs import ChatTokenizer, TurnGenerator
+from engine.models.char_tokenizer import IM_END, write_tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(Path(folder), model_max_length=4096)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass
+class ScriptedPolicy:
+    """A `Sampler` whose reply is `reply(prompt_text)`, tokenised by the real tokenizer."""
+
+    tokenizer: Any
+    reply: Callable[[str], str]
+    policy_version: int = 0
+    requests: list[tuple[list[int], SamplingConfig]] = field(default_factory=list)
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], n: int, sampling: SamplingConfig
+    ) -> list[Completion]:
+        self.requests.append((list(prompt_token_ids), sampling))
+        text = self.reply(self.tokenizer.decode(list(prompt_token_ids)))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids.append(self.tokenizer.convert_tokens_to_ids(IM_END))
+        finish = "stop"
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        logprobs = [-0.01 * (index + 1) for index in range(len(ids))]
+        return [Completion(ids, logprobs, text, finish, self.policy_version) for _ in range(n)]
+
+
+@pytest.fixture
+def policy(hf_tokenizer: Any) -> Callable[..., ScriptedPolicy]:
+    def make(reply: Callable[[str], str], **kwargs: Any) -> ScriptedPolicy:
+        return ScriptedPolicy(hf_tokenizer, reply, **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def generator(hf_tokenizer: Any) -> Callable[..., TurnGenerator]:
+    def make(sampler: Any, max_seq_len: int = 1024) -> TurnGenerator:
+        return TurnGenerator(sampler, ChatTokenizer(hf_tokenizer), max_seq_len)
+
+    return make
+
+
+def last_user_text(prompt: str) -> str:
+    """The content of the last user message in a ChatML-rendered prompt."""
+    return prompt.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]

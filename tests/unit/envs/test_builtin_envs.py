@@ -1,0 +1,112 @@
+"""The built-in environments: deterministic disjoint splits, exact rewards, SFT data, oracles."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from engine.config.orchestrator import EnvConfig, SamplingConfig
+from engine.envs import (
+    alphabet_sort,
+    arithmetic,
+    assemble,
+    load_environment,
+    reverse_text,
+    sft_rows,
+)
+from engine.models.char_tokenizer import CHARACTERS
+from tests.unit.envs.conftest import last_user_text
+
+SAMPLING = SamplingConfig(max_tokens=128)
+
+
+def test_reverse_text_splits_are_deterministic_disjoint_and_eval_ignores_train_size() -> None:
+    train, held_out = reverse_text.make_splits(500, 50, seed=3)
+    assert (train, held_out) == reverse_text.make_splits(500, 50, seed=3)
+    assert reverse_text.make_splits(20, 50, seed=3)[1] == held_out
+    assert reverse_text.make_splits(500, 50, seed=4)[1] != held_out
+    assert len(set(train)) == 500 and not set(train) & set(held_out)
+    assert all(set(text) <= set(CHARACTERS) and 5 <= len(text) <= 40 for text in train)
+
+
+def test_reverse_text_reward_is_character_similarity_inside_the_tags() -> None:
+    assert reverse_text.reversed_similarity("<reversed_text>olleh</reversed_text>", "olleh") == 1.0
+    assert reverse_text.reversed_similarity("<reversed_text>olleh", "olleh") == 1.0
+    partial = reverse_text.reversed_similarity("<reversed_text>ollxh</reversed_text>", "olleh")
+    assert partial == 0.8
+    assert reverse_text.reversed_similarity("olleh", "olleh") == 0.0
+
+
+def test_reverse_text_sft_rows_are_gold_answers_on_the_train_split() -> None:
+    rows = sft_rows(EnvConfig(id="reverse-text"), num_examples=30, seed=0)
+    train, _ = reverse_text.make_splits(30, 0, seed=0)
+    assert [row["messages"][1]["content"] for row in rows] == train
+    for row in rows:
+        system, user, assistant = row["messages"]
+        assert system == {"role": "system", "content": reverse_text.SYSTEM_PROMPT}
+        assert reverse_text.reversed_similarity(assistant["content"], user["content"][::-1]) == 1
+
+
+def test_alphabet_sort_rewards_each_turn_against_the_growing_sorted_list() -> None:
+    turns = [["Zoe", "Al"], ["Max"]]
+    assert alphabet_sort.gold_lists(turns) == ["Al\nZoe", "Al\nMax\nZoe"]
+    right = ["<sorted>\nAl\nZoe\n</sorted>", "<sorted>Al\nMax\nZoe</sorted>"]
+    assert alphabet_sort.turn_similarities(right, turns) == [1.0, 1.0]
+    assert alphabet_sort.turn_similarities(right[:1], turns) == [1.0, 0.0]
+    assert alphabet_sort.turn_similarities(["Al Zoe", right[1]], turns) == [0.0, 1.0]
+
+
+def test_alphabet_sort_examples_use_distinct_names_and_disjoint_splits() -> None:
+    train, held_out = alphabet_sort.make_splits(200, 20, 0, num_turns=3, min_names=2, max_names=3)
+    assert not {str(e) for e in train} & {str(e) for e in held_out}
+    for example in train:
+        names = [name for turn in example for name in turn]
+        assert len(example) == 3 and len(set(names)) == len(names)
+        assert all(2 <= len(turn) <= 3 for turn in example)
+
+
+def test_arithmetic_answers_are_exact() -> None:
+    train, held_out = arithmetic.make_splits(300, 30, seed=0)
+    assert not {q for q, _ in train} & {q for q, _ in held_out}
+    for question, answer in train:
+        numbers = [int(n) for n in re.findall(r"\d+", question)]
+        if "more" in question:
+            assert answer == numbers[0] + numbers[1]
+        elif "left" in question:
+            assert answer == numbers[0] - numbers[1]
+        else:
+            assert answer == numbers[0] * numbers[1]
+    assert arithmetic.exact_answer([{"role": "assistant", "content": "<answer>12</answer>"}], "12")
+    assert not arithmetic.exact_answer([{"role": "assistant", "content": "12"}], "12")
+
+
+def test_reverse_text_oracle_scores_one(policy: Any, generator: Any) -> None:
+    env = load_environment(EnvConfig(id="reverse-text", args={"num_train_examples": 4}))
+    oracle = policy(lambda prompt: reverse_text.format_answer(last_user_text(prompt)))
+    rollouts = asyncio.run(env.run_group(env.tasks("train")[2], 4, generator(oracle), SAMPLING))
+    assert [r.reward for r in rollouts] == [1.0] * 4
+
+
+def _sorting_oracle(prompt: str) -> str:
+    names = []
+    for line in re.findall(r"(?:tags|again): ([^<]*)<\|im_end\|>", prompt):
+        names += line.split(", ")
+    return "<sorted>\n" + "\n".join(sorted(names)) + "\n</sorted>"
+
+
+def test_alphabet_sort_oracle_scores_one_over_three_turns_in_one_sequence(
+    hf_tokenizer: Any, policy: Any, generator: Any
+) -> None:
+    env = load_environment(
+        EnvConfig(id="alphabet-sort", args={"num_train_examples": 4, "num_turns": 3})
+    )
+    task = env.tasks("train")[0]
+    (rollout,) = asyncio.run(env.run_group(task, 1, generator(policy(_sorting_oracle)), SAMPLING))
+    assert rollout.reward == 1.0
+    assert [rollout.metrics[f"turn_{i}_similarity"] for i in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    (sequence,) = assemble(rollout.turns)
+    assert sequence.num_turns == 3
+    text = hf_tokenizer.decode(sequence.token_ids)
+    assert text.count("<|im_start|>assistant\n<sorted>") == 3
+    assert text.count("<|im_start|>user\n") == 3
