@@ -49,12 +49,13 @@ class RetryPolicy:
         base = min(self.backoff_s * 2**attempt, _MAX_DELAY_S)
         return base * random.uniform(0.5, 1.5)
 
-    def call(self, uri: str, fn: Callable[[], T]) -> T:
+    def call(self, uri: str, fn: Callable[[], T], *, writing: bool = False) -> T:
         """Run `fn`, retrying transient faults; raise storage errors that name `uri`.
 
-        Missing objects raise `ObjectNotFoundError` (also a `FileNotFoundError`). Faults that
-        never heal raise `PermanentStorageError` at once. Transient faults that outlast every
-        retry raise `TransientStorageError`. Exceptions that are not storage faults (bugs)
+        Missing objects raise `ObjectNotFoundError` (also a `FileNotFoundError`), except when
+        `writing`: a write that finds nothing there lacks its bucket, which is permanent. Faults
+        that never heal raise `PermanentStorageError` at once. Transient faults that outlast
+        every retry raise `TransientStorageError`. Exceptions that are not storage faults (bugs)
         propagate unchanged.
         """
         attempt = 0
@@ -64,6 +65,9 @@ class RetryPolicy:
             except StorageError:
                 raise
             except Exception as exc:
+                if is_missing_object(exc) and writing:
+                    reason = f"nowhere to write (does the bucket exist?): {describe(exc)}"
+                    raise PermanentStorageError(uri, reason) from exc
                 if is_missing_object(exc):
                     raise ObjectNotFoundError(uri, "no such object") from exc
                 if is_permanent(exc):

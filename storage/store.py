@@ -10,6 +10,7 @@ also a `FileNotFoundError`.
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import os
 import shutil
@@ -113,11 +114,11 @@ class ObjectStore:
         store._backend = Backend(self._backend.fs, self.protocol, self._backend.full_path(sub))
         return store
 
-    def _call(self, path: str, fn: Callable[[str], Any]) -> Any:
+    def _call(self, path: str, fn: Callable[[str], Any], *, writing: bool = False) -> Any:
         """Run `fn(full_path)` under the retry policy, with errors naming `path`'s URI."""
         clean = clean_path(path)
         return self._policy.call(
-            self._backend.url(clean), lambda: fn(self._backend.full_path(clean))
+            self._backend.url(clean), lambda: fn(self._backend.full_path(clean)), writing=writing
         )
 
     def write_bytes(self, path: str, data: Bytes) -> None:
@@ -125,12 +126,14 @@ class ObjectStore:
         clean_path(path, allow_empty=False)
         if self._backend.is_local:
             self._call(
-                path, lambda full: _replace_atomically(full, lambda tmp: _write_file(tmp, data))
+                path,
+                lambda full: _replace_atomically(full, lambda tmp: _write_file(tmp, data)),
+                writing=True,
             )
         else:
             # botocore and gcsfs take bytes, not arbitrary buffers; the network dwarfs the copy.
             payload = data if isinstance(data, bytes | bytearray) else bytes(data)
-            self._call(path, lambda full: self._backend.fs.pipe_file(full, payload))
+            self._call(path, lambda full: self._backend.fs.pipe_file(full, payload), writing=True)
 
     def read_bytes(self, path: str) -> bytes:
         """The whole object."""
@@ -189,13 +192,17 @@ class ObjectStore:
         """Copy a local file to `path`, atomically to readers like `write_bytes`."""
         clean_path(path, allow_empty=False)
         source = os.fspath(local_path)
+        if not os.path.exists(source):
+            # Checked here so that a missing source is not mistaken for a missing bucket.
+            raise FileNotFoundError(errno.ENOENT, "no such local file to upload", source)
         if self._backend.is_local:
             self._call(
                 path,
                 lambda full: _replace_atomically(full, lambda tmp: shutil.copyfile(source, tmp)),
+                writing=True,
             )
         else:
-            self._call(path, lambda full: self._backend.fs.put_file(source, full))
+            self._call(path, lambda full: self._backend.fs.put_file(source, full), writing=True)
 
     def download_file(self, path: str, local_path: str | os.PathLike[str]) -> None:
         """Copy the object to a local file; the file appears complete or not at all."""

@@ -102,6 +102,13 @@ def test_missing_object_is_its_own_error() -> None:
     assert str(info.value) == f"{URI}: no such object"
 
 
+def test_a_write_that_finds_nothing_there_lacks_its_bucket() -> None:
+    flaky = Flaky(FileNotFoundError("gs://no-such-bucket/x"), failures=10)
+    with pytest.raises(PermanentStorageError, match="does the bucket exist"):
+        RetryPolicy().call(URI, flaky, writing=True)
+    assert flaky.calls == 1
+
+
 def test_bugs_are_not_storage_errors() -> None:
     flaky = Flaky(TypeError("unsupported operand"), failures=10)
     with pytest.raises(TypeError):

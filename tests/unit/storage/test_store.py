@@ -90,6 +90,8 @@ def test_upload_and_download_files(store: ObjectStore, tmp_path: Path) -> None:
     with pytest.raises(ObjectNotFoundError):
         store.download_file("absent", tmp_path / "absent")
     assert not (tmp_path / "absent").exists()
+    with pytest.raises(FileNotFoundError, match="no such local file"):
+        store.upload_file(tmp_path / "absent", "up/absent.bin")
 
 
 def test_child_store_is_rooted_at_the_prefix(store: ObjectStore) -> None:
