@@ -1,0 +1,83 @@
+"""One training step's batch: groups in, stale samples and filtered groups out, until full.
+
+The builder is the single place where samples are admitted to a step, so the async bound and
+the filters hold for every shard however rollouts were scheduled. Groups are never split: the
+batch closes at the first group that takes it to `batch_size` samples (or tokens).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.orchestrator.async_bound import STALE_REASONS, drop_stale
+from engine.orchestrator.filters import Filter, apply_filters
+from engine.orchestrator.samples import SKIP_REASONS, Group, TrainSample
+
+
+@dataclass
+class StepBatch:
+    """What a step trains on, and the counts of everything that was left out."""
+
+    step: int
+    samples: list[TrainSample] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(sample.num_tokens for sample in self.samples)
+
+
+class BatchBuilder:
+    """Admits groups into batch `step` until it holds `batch_size` samples or tokens."""
+
+    def __init__(
+        self,
+        step: int,
+        *,
+        batch_size: int,
+        unit: Literal["samples", "tokens"],
+        filters: Sequence[Filter],
+        max_async_level: int,
+        max_off_policy_steps: int,
+    ) -> None:
+        self.batch = StepBatch(step)
+        zeros = [f"skipped/{reason}" for reason in SKIP_REASONS] + list(STALE_REASONS)
+        for flt in filters:
+            zeros += [f"filter/{flt.name}/dropped_samples", f"filter/{flt.name}/dropped_groups"]
+        self.batch.counts.update(dict.fromkeys(zeros, 0))
+        self._batch_size = batch_size
+        self._unit = unit
+        self._filters = filters
+        self._max_async_level = max_async_level
+        self._max_off_policy_steps = max_off_policy_steps
+
+    @property
+    def size(self) -> int:
+        return len(self.batch.samples) if self._unit == "samples" else self.batch.num_tokens
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self._batch_size
+
+    def add(self, group: Group, served_version: int) -> None:
+        """Admit what is fresh and passes the filters; count the rest under the step."""
+        counts = self.batch.counts
+        counts["groups"] += 1
+        counts["rollouts"] += group.rollouts
+        counts["splits"] += group.splits
+        counts.update({f"skipped/{reason}": n for reason, n in group.skipped.items()})
+        fresh, stale = drop_stale(
+            group.samples,
+            step=self.batch.step,
+            served_version=served_version,
+            max_async_level=self._max_async_level,
+            max_off_policy_steps=self._max_off_policy_steps,
+        )
+        counts.update(stale)
+        kept, filtered = apply_filters([fresh] if fresh else [], self._filters)
+        counts.update(filtered)
+        for samples in kept:
+            self.batch.samples.extend(samples)

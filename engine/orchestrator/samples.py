@@ -1,0 +1,130 @@
+"""Played groups → training samples: skip what cannot be trained on, score, split, count.
+
+A rollout is skipped, with its reason counted, when its environment failed, its prompt did not
+fit the context, the model sampled nothing, or its reward is not a finite number. The rest get
+group-relative advantages (computed over the group's usable rollouts) and become one sample per
+token sequence — several when a chat template rewrote history mid-conversation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.envs import Rollout, TokenSequence, assemble
+from engine.orchestrator.advantages import AdvantageFn
+
+logger = logging.getLogger(__name__)
+
+SKIP_REASONS = ("env_error", "prompt_too_long", "empty_completion", "nan_reward")
+
+
+@dataclass
+class TrainSample:
+    """One row of a rollout shard, before the step number is known."""
+
+    env: str
+    example_id: int
+    group_id: int
+    sequence: TokenSequence
+    reward: float
+    advantage: float
+    temperature: float
+    metrics: dict[str, float]
+    #: The whole rollout's sampled tokens (all its sequences), for length metrics.
+    rollout_tokens: int
+
+    @property
+    def policy_version(self) -> int:
+        return self.sequence.policy_version
+
+    @property
+    def is_truncated(self) -> bool:
+        return self.sequence.is_truncated
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sequence.token_ids)
+
+
+@dataclass
+class Group:
+    """The usable samples of one task's group, and what became of the rest."""
+
+    env: str
+    group_id: int
+    samples: list[TrainSample]
+    skipped: Counter[str] = field(default_factory=Counter)
+    #: Extra sequences made by splitting rollouts whose history a template rewrote.
+    splits: int = 0
+    rollouts: int = 0
+
+
+def skip_reason(rollout: Rollout) -> str | None:
+    """Why a rollout cannot be trained on, or None."""
+    if rollout.error is not None:
+        return "env_error"
+    if not rollout.turns:
+        return "prompt_too_long" if rollout.context_exhausted else "empty_completion"
+    if not any(turn.completion_ids for turn in rollout.turns):
+        return "empty_completion"
+    if not math.isfinite(rollout.reward):
+        return "nan_reward"
+    return None
+
+
+def build_group(
+    rollouts: Sequence[Rollout],
+    *,
+    group_id: int,
+    temperature: float,
+    advantage_fn: AdvantageFn,
+) -> Group:
+    """Training samples of one played group, with skips and splits counted."""
+    env = rollouts[0].env if rollouts else ""
+    group = Group(env=env, group_id=group_id, samples=[], rollouts=len(rollouts))
+    usable: list[tuple[Rollout, list[TokenSequence]]] = []
+    for rollout in rollouts:
+        reason = skip_reason(rollout)
+        if reason is not None:
+            group.skipped[reason] += 1
+            detail = f": {rollout.error}" if rollout.error else ""
+            logger.warning(
+                "skipped a rollout of %s example %d (%s)%s",
+                rollout.env,
+                rollout.example_id,
+                reason,
+                detail,
+            )
+            continue
+        usable.append((rollout, assemble(rollout.turns)))
+    lengths = [sum(s.sampled_tokens for s in sequences) for _, sequences in usable]
+    advantages = advantage_fn([r.reward for r, _ in usable], lengths)
+    for (rollout, sequences), advantage, length in zip(usable, advantages, lengths, strict=True):
+        if len(sequences) > 1:
+            group.splits += len(sequences) - 1
+            logger.warning(
+                "%s example %d: the chat template rewrote earlier turns; the rollout was split "
+                "into %d sequences",
+                rollout.env,
+                rollout.example_id,
+                len(sequences),
+            )
+        group.samples.extend(
+            TrainSample(
+                env=rollout.env,
+                example_id=rollout.example_id,
+                group_id=group_id,
+                sequence=sequence,
+                reward=rollout.reward,
+                advantage=advantage,
+                temperature=temperature,
+                metrics=rollout.metrics,
+                rollout_tokens=length,
+            )
+            for sequence in sequences
+        )
+    return group

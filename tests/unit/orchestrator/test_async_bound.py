@@ -1,0 +1,182 @@
+"""The async bound under random trainer, reload and rollout timings (a discrete-event model).
+
+The model drives the orchestrator's own decisions — `may_sample_for` gates new rollouts and
+`BatchBuilder` admits finished groups — against a trainer that turns batch n into policy n after
+a random time, a pool that serves each checkpoint after a random reload delay, and rollouts of
+random length stamped with the policy served when they started. Whatever the timings: no batch
+holds a sample older than its bound, every stale sample is dropped and counted, none is lost.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.orchestrator.async_bound import may_sample_for, min_policy_version, stale_reason
+from engine.orchestrator.batch import BatchBuilder, StepBatch
+from engine.orchestrator.samples import Group
+from tests.unit.orchestrator.helpers import group
+
+durations = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=20)
+
+
+def simulate(
+    *,
+    steps: int,
+    max_async_level: int,
+    max_off_policy_steps: int,
+    concurrency: int,
+    group_size: int,
+    groups_per_batch: int,
+    rollout_times: list[float],
+    train_times: list[float],
+    reload_times: list[float],
+) -> tuple[list[StepBatch], list[tuple[int, int, int]], int, int]:
+    """Run the model; returns batches, (step, version, served) per admission, made and pending."""
+    events: list[tuple[float, int, str, int]] = []
+    order = itertools.count()
+    rollout_time, train_time, reload_time = (
+        itertools.cycle(times) for times in (rollout_times, train_times, reload_times)
+    )
+    now, served, in_flight, group_ids = 0.0, 0, 0, itertools.count()
+    trainer_free_at = 0.0
+    step = 1
+    versions: dict[int, int] = {}
+    pending: list[Group] = []
+    batches: list[StepBatch] = []
+    admissions: list[tuple[int, int, int]] = []
+    made = 0
+
+    def builder(for_step: int) -> BatchBuilder:
+        return BatchBuilder(
+            for_step,
+            batch_size=group_size * groups_per_batch,
+            unit="samples",
+            filters=[],
+            max_async_level=max_async_level,
+            max_off_policy_steps=max_off_policy_steps,
+        )
+
+    current = builder(step)
+    for _ in range(100_000):
+        # Place finished groups; close and hand over full batches.
+        while pending and step <= steps:
+            finished = pending.pop(0)
+            admissions += [(step, s.policy_version, served) for s in finished.samples]
+            current.add(finished, served)
+            if current.full:
+                batches.append(current.batch)
+                trainer_free_at = max(trainer_free_at, now) + next(train_time)
+                heapq.heappush(events, (trainer_free_at, next(order), "checkpoint", step))
+                step += 1
+                current = builder(step)
+        if step > steps:
+            break
+        # Start rollouts while the pool's policy may go into the batch being built.
+        while in_flight < concurrency and may_sample_for(step, served, max_async_level):
+            gid = next(group_ids)
+            versions[gid] = served
+            in_flight += 1
+            heapq.heappush(events, (now + next(rollout_time), next(order), "group", gid))
+        now, _, kind, value = heapq.heappop(events)  # the model never runs dry: assert below
+        if kind == "group":
+            in_flight -= 1
+            made += group_size
+            pending.append(group(value, [float(i) for i in range(group_size)], versions[value]))
+        elif kind == "checkpoint":
+            heapq.heappush(events, (now + next(reload_time), next(order), "served", value))
+        else:
+            served = max(served, value)
+    else:
+        raise AssertionError("the model stopped making progress")
+    leftover = sum(len(g.samples) for g in pending)
+    return batches, admissions, made, leftover
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.integers(1, 8),
+    max_async_level=st.integers(0, 3),
+    max_off_policy_steps=st.integers(0, 5),
+    concurrency=st.integers(1, 6),
+    group_size=st.integers(1, 3),
+    groups_per_batch=st.integers(1, 4),
+    rollout_times=durations,
+    train_times=durations,
+    reload_times=durations,
+)
+def test_no_batch_uses_a_policy_older_than_allowed_and_stale_samples_are_counted(
+    steps: int,
+    max_async_level: int,
+    max_off_policy_steps: int,
+    concurrency: int,
+    group_size: int,
+    groups_per_batch: int,
+    rollout_times: list[float],
+    train_times: list[float],
+    reload_times: list[float],
+) -> None:
+    batches, admissions, made, leftover = simulate(
+        steps=steps,
+        max_async_level=max_async_level,
+        max_off_policy_steps=max_off_policy_steps,
+        concurrency=concurrency,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        rollout_times=rollout_times,
+        train_times=train_times,
+        reload_times=reload_times,
+    )
+    assert [b.step for b in batches] == list(range(1, steps + 1))
+    for batch in batches:
+        assert len(batch.samples) >= group_size * groups_per_batch
+        bound = min_policy_version(batch.step, max_async_level)
+        assert all(sample.policy_version >= bound for sample in batch.samples)
+        if max_async_level == 0:
+            assert {s.policy_version for s in batch.samples} == {batch.step - 1}
+    expected = Counter(
+        reason
+        for step, version, served in admissions
+        if (
+            reason := stale_reason(
+                version,
+                step=step,
+                served_version=served,
+                max_async_level=max_async_level,
+                max_off_policy_steps=max_off_policy_steps,
+            )
+        )
+    )
+    counted = Counter()
+    for batch in batches:
+        counted.update({k: v for k, v in batch.counts.items() if k.startswith("stale/") and v})
+    assert counted == expected
+    used = sum(len(batch.samples) for batch in batches)
+    in_open_batch = made - used - sum(expected.values()) - leftover
+    assert in_open_batch >= 0  # admitted to the step after the last one, never lost
+    for step, version, served in admissions:
+        if (
+            stale_reason(
+                version,
+                step=step,
+                served_version=served,
+                max_async_level=max_async_level,
+                max_off_policy_steps=max_off_policy_steps,
+            )
+            is None
+        ):
+            assert served - version <= max_off_policy_steps
+
+
+def test_the_bound_itself() -> None:
+    assert [min_policy_version(n, 1) for n in (1, 2, 3, 10)] == [0, 0, 1, 8]
+    assert [min_policy_version(n, 0) for n in (1, 2, 3)] == [0, 1, 2]
+    assert may_sample_for(3, 1, 1) and not may_sample_for(3, 0, 1)
+    kwargs = {"step": 5, "served_version": 4, "max_async_level": 1}
+    assert stale_reason(3, **kwargs, max_off_policy_steps=8) is None
+    assert stale_reason(2, **kwargs, max_off_policy_steps=8) == "stale/async_bound"
+    assert stale_reason(3, **kwargs, max_off_policy_steps=0) == "stale/off_policy"

@@ -1,0 +1,95 @@
+"""Played groups → samples: skipped rollouts counted by reason, splits, advantages, batches."""
+
+from __future__ import annotations
+
+import math
+
+from engine.config.orchestrator import DifficultyFilterConfig
+from engine.envs import Rollout, Turn
+from engine.orchestrator.advantages import group_relative
+from engine.orchestrator.batch import BatchBuilder
+from engine.orchestrator.filters import build_filters
+from engine.orchestrator.samples import build_group
+from tests.unit.orchestrator.helpers import group
+
+
+def turn(prompt: tuple[int, ...], completion: tuple[int, ...], version: int = 0) -> Turn:
+    return Turn(prompt, completion, tuple(-0.1 for _ in completion), version, "stop", "", "")
+
+
+def rollout(reward: float, turns: list[Turn], **fields: object) -> Rollout:
+    return Rollout(env="e", example_id=7, turns=turns, reward=reward, **fields)  # type: ignore[arg-type]
+
+
+def advantages(rewards: list[float], lengths: list[int]) -> list[float]:
+    return group_relative(rewards, lengths)
+
+
+def test_unusable_rollouts_are_skipped_and_counted_by_reason() -> None:
+    good = [turn((1, 2), (3, 4))]
+    played = [
+        rollout(1.0, good),
+        rollout(0.0, good),
+        rollout(math.nan, good),
+        rollout(math.nan, [], error="RuntimeError: boom"),
+        rollout(math.nan, [], context_exhausted=True),
+        rollout(0.5, [turn((1, 2), ())]),
+    ]
+    built = build_group(played, group_id=3, temperature=0.7, advantage_fn=advantages)
+    assert built.skipped == {
+        "nan_reward": 1,
+        "env_error": 1,
+        "prompt_too_long": 1,
+        "empty_completion": 1,
+    }
+    assert [(s.reward, s.advantage) for s in built.samples] == [(1.0, 0.5), (0.0, -0.5)]
+    assert {(s.group_id, s.temperature, s.example_id) for s in built.samples} == {(3, 0.7, 7)}
+    assert built.rollouts == 6
+
+
+def test_a_split_rollout_becomes_several_samples_sharing_its_advantage() -> None:
+    rewritten = [turn((1, 2), (3,), version=4), turn((1, 9, 3, 5), (6,), version=5)]
+    built = build_group(
+        [rollout(1.0, rewritten), rollout(0.0, [turn((1, 2), (3,))])],
+        group_id=0,
+        temperature=1.0,
+        advantage_fn=advantages,
+    )
+    assert built.splits == 1
+    assert [(s.sequence.token_ids, s.advantage, s.policy_version) for s in built.samples] == [
+        ([1, 2, 3], 0.5, 4),
+        ([1, 9, 3, 5, 6], 0.5, 5),
+        ([1, 2, 3], -0.5, 0),
+    ]
+    assert built.samples[0].rollout_tokens == 2
+
+
+def test_batches_close_on_whole_groups_and_count_what_they_left_out() -> None:
+    builder = BatchBuilder(
+        3,
+        batch_size=4,
+        unit="samples",
+        filters=build_filters([DifficultyFilterConfig()]),
+        max_async_level=1,
+        max_off_policy_steps=8,
+    )
+    builder.add(group(0, [1.0, 0.0, 0.0], version=0), served_version=2)  # too old for step 3
+    builder.add(group(1, [0.5, 0.5, 0.5], version=1), served_version=2)  # all equal
+    builder.add(group(2, [1.0, 0.0, 0.0], version=1), served_version=2)
+    assert not builder.full
+    builder.add(group(3, [0.0, 1.0, 1.0], version=2), served_version=2)
+    assert builder.full and len(builder.batch.samples) == 6
+    counts = builder.batch.counts
+    assert counts["stale/async_bound"] == 3 and counts["stale/off_policy"] == 0
+    assert counts["filter/difficulty/dropped_groups"] == 1
+    assert counts["groups"] == 4 and counts["skipped/env_error"] == 0
+
+
+def test_token_batches_count_tokens() -> None:
+    builder = BatchBuilder(
+        1, batch_size=10, unit="tokens", filters=[], max_async_level=1, max_off_policy_steps=1
+    )
+    builder.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
+    assert builder.size == 8 and not builder.full
+    builder.add(group(1, [1.0]), served_version=0)
+    assert builder.full
