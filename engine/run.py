@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.config import PrimeflowConfig
 from storage.layout import RunLayout, run_uri
@@ -30,6 +32,26 @@ def run_store(config: PrimeflowConfig) -> ObjectStore:
         retries=storage.retries,
         backoff_s=storage.backoff_s,
     )
+
+
+def primeflow_home() -> Path:
+    """`$PRIMEFLOW_HOME`, or `.primeflow/` in the working directory: local state (the Prefect
+    server's home, process logs of runs whose root is remote, model caches)."""
+    return Path(os.environ.get("PRIMEFLOW_HOME", ".primeflow")).resolve()
+
+
+def local_run_dir(config: PrimeflowConfig) -> Path:
+    """A local folder for what only makes sense on this host: process logs and process groups.
+
+    On `file://` it is the run root itself, so `<run>/logs/` holds the logs as DESIGN §3 says;
+    for a remote root it is `<PRIMEFLOW_HOME>/runs/<run>`.
+    """
+    uri = run_uri(config.storage.uri, config.run.name)
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://")).resolve()
+    if "://" not in uri:
+        return Path(uri).resolve()
+    return primeflow_home() / "runs" / config.run.name
 
 
 def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -> Run:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.run import primeflow_home
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4200
 STATE_FILE = "server.json"
@@ -45,11 +47,6 @@ class ServerState:
     @property
     def ui_url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-def primeflow_home() -> Path:
-    """`$PRIMEFLOW_HOME`, or `.primeflow/` in the working directory (ignored by git)."""
-    return Path(os.environ.get("PRIMEFLOW_HOME", ".primeflow")).resolve()
 
 
 def prefect_home(home: Path | None = None) -> Path:

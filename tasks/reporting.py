@@ -47,11 +47,11 @@ def run_resource(run_name: str) -> dict[str, str]:
     return {"prefect.resource.id": f"primeflow.run.{run_name}", "primeflow.run": run_name}
 
 
-def emit_checkpoint_event(run_name: str, step: int, uri: str) -> None:
+def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str) -> None:
     emit_event(
         CHECKPOINT_EVENT,
         resource=run_resource(run_name),
-        payload={"run": run_name, "step": step, "uri": uri},
+        payload={"run": run_name, "stage": stage, "step": step, "uri": uri},
     )
 
 
@@ -63,6 +63,7 @@ class StageMonitor:
     run_name: str
     stage: str
     total_steps: int
+    checkpoint_parent: str = "checkpoints"
     interval_s: float = 2.0
     table_every: int = 10
     table_rows: int = 20
@@ -80,7 +81,7 @@ class StageMonitor:
             progress=0.0, key=key, description=f"{self.stage}: steps done of {self.total_steps}"
         )
         # Checkpoints committed before this stage (a resumed run) are not news.
-        self.checkpoints = set(committed_steps(self.store, "checkpoints"))
+        self.checkpoints = set(committed_steps(self.store, self.checkpoint_parent))
         context = contextvars.copy_context()  # so artifacts attach to this flow/task run
         self._thread = threading.Thread(target=context.run, args=(self._loop,), daemon=True)
         self._thread.start()
@@ -117,10 +118,11 @@ class StageMonitor:
             update_progress_artifact(self._artifact, progress=progress)
             if self.last_step - self._last_table_step >= self.table_every:
                 self._write_table()
-        for step in sorted(set(committed_steps(self.store, "checkpoints")) - self.checkpoints):
+        committed = set(committed_steps(self.store, self.checkpoint_parent))
+        for step in sorted(committed - self.checkpoints):
             self.checkpoints.add(step)
-            uri = self.store.url(RunLayout.checkpoint_dir(step))
-            emit_checkpoint_event(self.run_name, step, uri)
+            uri = self.store.url(join(self.checkpoint_parent, RunLayout.step_name(step)))
+            emit_checkpoint_event(self.run_name, self.stage, step, uri)
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
         prefix = join(METRICS_DIR, self.stage)
