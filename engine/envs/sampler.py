@@ -18,13 +18,13 @@ class Sample(Protocol):
     """One sampled completion, as the server produced it."""
 
     @property
-    def token_ids(self) -> Sequence[int]:
+    def completion_ids(self) -> Sequence[int]:
         """Sampled token ids, the stop token included when the model emitted one."""
         ...
 
     @property
     def logprobs(self) -> Sequence[float]:
-        """The inference log-probability of each sampled token (same length as `token_ids`)."""
+        """The inference log-probability of each sampled token (one per completion id)."""
         ...
 
     @property
@@ -44,10 +44,10 @@ class Sample(Protocol):
 
 
 class Sampler(Protocol):
-    """An async client over the inference pool."""
+    """An async client over the inference pool (`engine.inference.client.InferenceClient`)."""
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], n: int, sampling: SamplingConfig
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, *, n: int = 1
     ) -> Sequence[Sample]:
         """`n` completions of one token-id prompt."""
         ...

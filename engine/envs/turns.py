@@ -110,10 +110,10 @@ class TurnGenerator:
             )
         bounded = sampling.model_copy(update={"max_tokens": min(sampling.max_tokens, room)})
         try:
-            (sample,) = await self.sampler.generate(prompt_ids, 1, bounded)
+            (sample,) = await self.sampler.generate(prompt_ids, bounded, n=1)
         except Exception as exc:
             raise SamplerFailedError(f"{type(exc).__name__}: {exc}") from exc
-        completion_ids = tuple(int(token) for token in sample.token_ids)
+        completion_ids = tuple(int(token) for token in sample.completion_ids)
         return Turn(
             prompt_ids=tuple(prompt_ids),
             completion_ids=completion_ids,

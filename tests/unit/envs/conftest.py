@@ -30,7 +30,7 @@ def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @dataclass
 class Completion:
-    token_ids: list[int]
+    completion_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: str
@@ -47,10 +47,10 @@ class ScriptedPolicy:
     requests: list[tuple[list[int], SamplingConfig]] = field(default_factory=list)
 
     async def generate(
-        self, prompt_token_ids: Sequence[int], n: int, sampling: SamplingConfig
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, *, n: int = 1
     ) -> list[Completion]:
-        self.requests.append((list(prompt_token_ids), sampling))
-        text = self.reply(self.tokenizer.decode(list(prompt_token_ids)))
+        self.requests.append((list(prompt_ids), sampling))
+        text = self.reply(self.tokenizer.decode(list(prompt_ids)))
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         ids.append(self.tokenizer.convert_tokens_to_ids(IM_END))
         finish = "stop"

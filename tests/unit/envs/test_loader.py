@@ -59,7 +59,7 @@ def test_classic_env_by_module_id_with_args_runs_and_isolates_failing_tasks(
 
 def test_a_failing_inference_pool_is_not_mistaken_for_an_env_error(generator: Any) -> None:
     class Down:
-        async def generate(self, *args: Any) -> list[Any]:
+        async def generate(self, *args: Any, **kwargs: Any) -> list[Any]:
             raise ConnectionError("refused")
 
     env = load_environment(EnvConfig(id="tests.unit.envs.flaky_env"))

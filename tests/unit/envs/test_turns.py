@@ -118,7 +118,7 @@ def test_a_prompt_that_fills_the_context_is_refused_and_max_tokens_fits_the_room
 
 def test_a_failing_sampler_is_reported_as_such(generator: Any) -> None:
     class Down:
-        async def generate(self, *args: Any) -> list[Any]:
+        async def generate(self, *args: Any, **kwargs: Any) -> list[Any]:
             raise ConnectionError("server gone")
 
     with pytest.raises(SamplerFailedError, match="server gone"):
