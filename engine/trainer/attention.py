@@ -1,7 +1,9 @@
 """Document-masked attention for packed rows, plugged into `transformers` models.
 
 A packed row holds several samples; a token must attend only to earlier tokens of its own
-sample. Two kernels do that, chosen per call:
+sample. When every row of a micro-batch is a single document (a long sample filling its row, or
+an all-padding row) that is plain causal attention: SDPA with `is_causal`, which on Hopper runs
+cuDNN's fused attention (preferred over FA2 via `sdpa_priority`). Otherwise one of two kernels:
 
 - **GPU (bf16/fp16): FlashAttention-2 varlen** through `torch.nn.attention.varlen.varlen_attn`.
   The micro-batch is flattened to one stream of tokens with cumulative document offsets
@@ -22,11 +24,13 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 try:  # PyTorch ≥ 2.9 ships FlashAttention-2 varlen; older builds fall back to the mask path.
@@ -52,14 +56,30 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def sdpa_priority(device: torch.device) -> AbstractContextManager[None]:
+    """On GPU, try cuDNN attention first, then FlashAttention-2, then the others."""
+    if device.type != "cuda":
+        return nullcontext()
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
+
+
 def document_kwargs(
     doc_lens: Sequence[Sequence[int]], seq_len: int, device: torch.device, varlen: bool
 ) -> dict[str, Any]:
     """The attention kwargs for a micro-batch whose row r holds documents `doc_lens[r]`.
 
+    none:   every row is one document, so causal attention is already exact.
     varlen: `cu_seqlens` [D+1] int32 over the flattened rows and the longest document.
     mask:   a bool [B, 1, S, S] mask, true where query i may attend key j (same document, j ≤ i).
     """
+    if all(len(row) == 1 for row in doc_lens):
+        return {}
     lengths = [length for row in doc_lens for length in row]
     if varlen:
         offsets = [0]

@@ -25,18 +25,16 @@ from storage.store import ObjectStore
 METRICS_DIR = "metrics"
 
 
-def parameter_count(config: PretrainedConfig, num_parameters: int) -> int:
-    """N for MFU: every parameter, counting a tied LM head a second time (it does the matmuls)."""
-    if getattr(config, "tie_word_embeddings", False):
-        return num_parameters + config.vocab_size * config.hidden_size
-    return num_parameters
-
-
 def flops_per_token(config: PretrainedConfig, num_parameters: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N + 6·L·H·d_head·S (dense matmuls plus causal attention)."""
+    """Training FLOPs per token: 6·N + 6·L·H·d_head·S (dense matmuls plus causal attention).
+
+    N is every parameter once (a tied LM head is the embedding matrix, counted once), the
+    convention of the issue's reference figures. S is the row length: with packed documents the
+    attention really done is less, so MFU of packed rows overstates attention work.
+    """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
-    return 6 * parameter_count(config, num_parameters) + attention
+    return 6 * num_parameters + attention
 
 
 def measure_bf16_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> float:

@@ -134,7 +134,12 @@ class PolicyModel(nn.Module):
 
 def apply_activation_checkpointing(causal_lm: PreTrainedModel) -> None:
     """Recompute each block in backward (non-reentrant, so it composes with FSDP2 and compile)."""
-    causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    enable = getattr(causal_lm, "activation_checkpointing_enable", None)
+    if enable is not None:  # transformers ≥ 5.2x; the older name is deprecated there
+        enable(kwargs)
+    else:
+        causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def compile_blocks(policy: PolicyModel) -> None:

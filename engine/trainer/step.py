@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from engine.trainer.attention import document_kwargs, varlen_available
+from engine.trainer.attention import document_kwargs, sdpa_priority, varlen_available
 from engine.trainer.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from engine.trainer.loss import LossFn, LossInputs, masked_sums, normalise
 from engine.trainer.model import PolicyModel
@@ -118,8 +118,9 @@ def train_step(
     sums: dict[str, Tensor] = {}
     for index, rows in enumerate(micro_batches):
         ctx.policy.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
-        normalise(loss_sum, global_loss_tokens, ctx.dist.world_size).backward()
+        with sdpa_priority(device):
+            loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
+            normalise(loss_sum, global_loss_tokens, ctx.dist.world_size).backward()
         _accumulate(sums, {"loss": loss_sum.detach(), **metric_sums})
     grad_norm = _grad_norm(ctx.policy, max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
@@ -166,7 +167,8 @@ def eval_step(
     sums: dict[str, Tensor] = {}
     try:
         for rows in micro_batches:
-            loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
+            with sdpa_priority(ctx.dist.device):
+                loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
             _accumulate(sums, {"loss": loss_sum, **metric_sums})
     finally:
         ctx.policy.train()
