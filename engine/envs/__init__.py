@@ -1,7 +1,7 @@
 """Environments behind one interface: built-ins, classic verifiers packages, v1 tasksets."""
 
 from engine.envs.base import Environment, Rollout, Split, Task
-from engine.envs.loader import BUILTIN_ENVS, load_environment, sft_rows
+from engine.envs.loader import BUILTIN_ENVS, load_environment
 from engine.envs.mix import EnvMix, MixEntry
 from engine.envs.sampler import Sample, Sampler
 from engine.envs.trajectory import TokenSequence, assemble
@@ -31,5 +31,4 @@ __all__ = [
     "TurnGenerator",
     "assemble",
     "load_environment",
-    "sft_rows",
 ]

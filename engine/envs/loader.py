@@ -64,16 +64,3 @@ def load_environment(config: EnvConfig) -> Environment:
         f"environment {config.id!r} ({module.__name__}) has no `load_environment` and exports "
         "no verifiers v1 Taskset"
     )
-
-
-def sft_rows(config: EnvConfig, num_examples: int, seed: int = 0) -> list[dict]:
-    """SFT conversations (`{"messages": [...]}` with the gold answer) from an environment.
-
-    Environments offer this by defining `sft_rows(num_examples, seed, **args)` next to
-    `load_environment`; among the built-ins, `reverse-text` does.
-    """
-    module = _import(config.id)
-    make = getattr(module, "sft_rows", None)
-    if make is None:
-        raise ValueError(f"environment {config.id!r} provides no SFT data (`sft_rows`)")
-    return make(num_examples, seed=seed, **config.args)

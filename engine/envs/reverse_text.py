@@ -73,7 +73,7 @@ def prompt_messages(text: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": text}]
 
 
-def sft_rows(
+def sft_examples(
     num_examples: int,
     seed: int = 0,
     min_words: int = 2,

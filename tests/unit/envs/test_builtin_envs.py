@@ -13,7 +13,6 @@ from engine.envs import (
     assemble,
     load_environment,
     reverse_text,
-    sft_rows,
 )
 from engine.models.char_tokenizer import CHARACTERS
 from tests.unit.envs.conftest import last_user_text
@@ -38,8 +37,8 @@ def test_reverse_text_reward_is_character_similarity_inside_the_tags() -> None:
     assert reverse_text.reversed_similarity("olleh", "olleh") == 0.0
 
 
-def test_reverse_text_sft_rows_are_gold_answers_on_the_train_split() -> None:
-    rows = sft_rows(EnvConfig(id="reverse-text"), num_examples=30, seed=0)
+def test_reverse_text_sft_examples_are_gold_answers_on_the_train_split() -> None:
+    rows = reverse_text.sft_examples(num_examples=30, seed=0)
     train, _ = reverse_text.make_splits(30, 0, seed=0)
     assert [row["messages"][1]["content"] for row in rows] == train
     for row in rows:
