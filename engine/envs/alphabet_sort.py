@@ -16,7 +16,7 @@ from typing import Any
 
 import verifiers as vf
 
-from engine.envs.words import NAMES, distinct_draws, split_seeds
+from engine.envs.words import EVAL_RESERVE, EVAL_SEED, NAMES, distinct_draws
 
 FIRST_PROMPT = "Sort these names alphabetically, one per line, in <sorted> tags: {names}"
 NEXT_PROMPT = "Add these names and give the whole sorted list again: {names}"
@@ -69,8 +69,7 @@ def draw_example(
 def make_splits(
     num_train: int, num_eval: int, seed: int, num_turns: int, min_names: int, max_names: int
 ) -> tuple[list[list[list[str]]], list[list[list[str]]]]:
-    """Disjoint (train, eval) examples; eval is drawn first so it does not depend on `num_train`."""
-    train_seed, eval_seed = split_seeds(seed)
+    """Disjoint (train, eval) examples: `seed` draws train; eval is the same for every seed."""
 
     def draw(rng: random.Random) -> str:
         return "|".join(
@@ -80,8 +79,9 @@ def make_splits(
     def decode(key: str) -> list[list[str]]:
         return [names.split(",") for names in key.split("|")]
 
-    eval_keys = distinct_draws(num_eval, random.Random(eval_seed), draw)
-    train_keys = distinct_draws(num_train, random.Random(train_seed), draw, exclude=eval_keys)
+    reserved = distinct_draws(max(num_eval, EVAL_RESERVE), random.Random(EVAL_SEED), draw)
+    eval_keys = reserved[:num_eval]
+    train_keys = distinct_draws(num_train, random.Random(seed), draw, exclude=reserved)
     return [decode(key) for key in train_keys], [decode(key) for key in eval_keys]
 
 

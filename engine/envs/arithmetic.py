@@ -13,7 +13,7 @@ from typing import Any
 
 import verifiers as vf
 
-from engine.envs.words import NAMES, distinct_draws, split_seeds
+from engine.envs.words import EVAL_RESERVE, EVAL_SEED, NAMES, distinct_draws
 
 SYSTEM_PROMPT = "Solve the problem. Put only the final number in <answer> tags."
 ITEMS = ("apple", "book", "coin", "cup", "egg", "pen", "shell", "stamp")
@@ -51,8 +51,7 @@ def parse_answer(reply: str) -> int | None:
 
 
 def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[tuple[str, int]], ...]:
-    """Disjoint (train, eval) problems; eval is drawn first so it does not depend on `num_train`."""
-    train_seed, eval_seed = split_seeds(seed)
+    """Disjoint (train, eval) problems: `seed` draws train; eval is the same for every seed."""
     answers: dict[str, int] = {}
 
     def draw(rng: random.Random) -> str:
@@ -60,10 +59,9 @@ def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[tuple[st
         answers[question] = answer
         return question
 
-    eval_questions = distinct_draws(num_eval, random.Random(eval_seed), draw)
-    train_questions = distinct_draws(
-        num_train, random.Random(train_seed), draw, exclude=eval_questions
-    )
+    reserved = distinct_draws(max(num_eval, EVAL_RESERVE), random.Random(EVAL_SEED), draw)
+    eval_questions = reserved[:num_eval]
+    train_questions = distinct_draws(num_train, random.Random(seed), draw, exclude=reserved)
     return (
         [(question, answers[question]) for question in train_questions],
         [(question, answers[question]) for question in eval_questions],

@@ -16,7 +16,7 @@ from typing import Any
 
 import verifiers as vf
 
-from engine.envs.words import distinct_draws, phrase, split_seeds
+from engine.envs.words import EVAL_RESERVE, EVAL_SEED, distinct_draws, phrase
 
 SYSTEM_PROMPT = "Reverse the text character by character. Put your answer in <reversed_text> tags."
 _ANSWER = re.compile(r"<reversed_text>(.*?)(?:</reversed_text>|$)", re.DOTALL)
@@ -43,14 +43,14 @@ def similarity(answer: str | None, reversed_text: str) -> float:
 def make_splits(
     num_train: int, num_eval: int, seed: int, min_words: int = 2, max_words: int = 4
 ) -> tuple[list[str], list[str]]:
-    """Disjoint (train, eval) texts; eval is drawn first so it does not depend on `num_train`."""
-    train_seed, eval_seed = split_seeds(seed)
+    """Disjoint (train, eval) texts: `seed` draws train; eval is the same for every seed."""
 
     def draw(rng: random.Random) -> str:
         return phrase(rng, min_words, max_words)
 
-    eval_texts = distinct_draws(num_eval, random.Random(eval_seed), draw)
-    train_texts = distinct_draws(num_train, random.Random(train_seed), draw, exclude=eval_texts)
+    reserved = distinct_draws(max(num_eval, EVAL_RESERVE), random.Random(EVAL_SEED), draw)
+    eval_texts = reserved[:num_eval]
+    train_texts = distinct_draws(num_train, random.Random(seed), draw, exclude=reserved)
     return train_texts, eval_texts
 
 

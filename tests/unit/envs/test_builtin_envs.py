@@ -20,11 +20,13 @@ from tests.unit.envs.conftest import last_user_text
 SAMPLING = SamplingConfig(max_tokens=128)
 
 
-def test_reverse_text_splits_are_deterministic_disjoint_and_eval_ignores_train_size() -> None:
+def test_reverse_text_splits_are_deterministic_disjoint_and_eval_is_fixed() -> None:
     train, held_out = reverse_text.make_splits(500, 50, seed=3)
     assert (train, held_out) == reverse_text.make_splits(500, 50, seed=3)
     assert reverse_text.make_splits(20, 50, seed=3)[1] == held_out
-    assert reverse_text.make_splits(500, 50, seed=4)[1] != held_out
+    other_train, other_held_out = reverse_text.make_splits(500, 50, seed=4)
+    assert other_held_out == held_out and other_train != train
+    assert not set(other_train) & set(held_out)
     assert len(set(train)) == 500 and not set(train) & set(held_out)
     assert all(set(text) <= set(CHARACTERS) and 5 <= len(text) <= 40 for text in train)
 
@@ -38,9 +40,11 @@ def test_reverse_text_reward_is_character_similarity_inside_the_tags() -> None:
 
 
 def test_reverse_text_sft_examples_are_gold_answers_on_the_train_split() -> None:
-    rows = reverse_text.sft_examples(num_examples=30, seed=0)
-    train, _ = reverse_text.make_splits(30, 0, seed=0)
+    rows = reverse_text.sft_examples(num_examples=3000, seed=7)
+    train, _ = reverse_text.make_splits(3000, 0, seed=7)
     assert [row["messages"][1]["content"] for row in rows] == train
+    _, held_out = reverse_text.make_splits(0, 1024, seed=0)
+    assert not set(train) & set(held_out)
     for row in rows:
         system, user, assistant = row["messages"]
         assert system == {"role": "system", "content": reverse_text.SYSTEM_PROMPT}
