@@ -1,0 +1,237 @@
+"""Trainer throughput on a Qwen3-0.6B-shaped model with random weights, against plain HF.
+
+    python -m tests.bench.trainer.bench_trainer                       # one GPU, all variants
+    torchrun --nproc-per-node 2 -m tests.bench.trainer.bench_trainer --variants primeflow
+
+Every variant trains on 2 rows × 8192 tokens per GPU per step in bf16, after warm-up steps.
+MFU = tokens/s × (6·N + 6·L·H·d_head·S) ÷ (bf16 matmul peak measured in this run × GPUs).
+
+- `plain`: the baseline the issue defines: `model(input_ids, labels=input_ids)`, SDPA, AdamW,
+  bf16 parameters, one process, no FSDP.
+- `primeflow`: the trainer's own path (FSDP2 with bf16 compute and fp32 masters and reduction,
+  compiled blocks, chunked LM-head log-probs, fused AdamW) through `engine.trainer.step`, on
+  rows that each hold one 8192-token document (the same attention work as `plain`).
+- `primeflow-fa2`: the same, with SDPA's default backend order instead of cuDNN first.
+- `primeflow-eager`: the same without `torch.compile`.
+- `primeflow-packed`: rows packed from documents of 256-4096 tokens (FA2 varlen); real
+  attention work is lower than the formula's, so its MFU is nominal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from engine.config.trainer import ConstantSchedulerConfig, OptimizerConfig
+from engine.trainer import attention as attention_module
+from engine.trainer import step as step_module
+from engine.trainer.batching import micro_batches, rank_share
+from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
+from engine.trainer.loss import sft_loss
+from engine.trainer.metrics import flops_per_token, measure_bf16_peak
+from engine.trainer.model import ModelOptions, build_policy, causal_lm_from_config
+from engine.trainer.optim import build_optimizer
+from engine.trainer.packing import Sample, pack_samples
+from engine.trainer.schedule import build_scheduler
+from engine.trainer.step import StepContext, train_step
+
+SEQ_LEN = 8192
+ROWS = 2
+WARMUP = 3
+STEPS = 10
+
+
+def qwen3_0_6b() -> Qwen3Config:
+    """Qwen3-0.6B's published shape (28 layers, 1024 wide, 16/8 heads of 128, tied head)."""
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def plain_hf(device: torch.device) -> dict[str, float]:
+    """The baseline loop, timed with a host clock after synchronising."""
+    model = AutoModelForCausalLM.from_config(
+        qwen3_0_6b(), dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 151936, (ROWS, SEQ_LEN), device=device)
+    times = []
+    for index in range(WARMUP + STEPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if index >= WARMUP:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    num_parameters = sum(p.numel() for p in model.parameters())
+    del model, optimizer, loss
+    free_memory()
+    seconds = float(np.median(times))
+    return {
+        "tokens_per_second": ROWS * SEQ_LEN / seconds,
+        "step_seconds": seconds,
+        "peak_memory_gib": peak,
+        "num_parameters": num_parameters,
+    }
+
+
+def documents(packed: bool, rank: int, step: int) -> list[Sample]:
+    """Per-rank samples of one step: 2 full-row documents, or enough short ones to fill 2 rows."""
+    rng = np.random.default_rng([rank, step])
+    if packed:
+        lengths, total = [], 0
+        while total < ROWS * SEQ_LEN - SEQ_LEN // 2:
+            lengths.append(int(rng.integers(SEQ_LEN // 32, SEQ_LEN // 2 + 1)))
+            total += lengths[-1]
+    else:
+        lengths = [SEQ_LEN] * ROWS
+    return [
+        Sample(
+            token_ids=rng.integers(0, 151936, n),
+            loss_mask=np.ones(n, dtype=bool),
+            logprobs=np.zeros(n, dtype=np.float32),
+        )
+        for n in lengths
+    ]
+
+
+def primeflow(
+    dist: DistInfo, peak: float, *, compile: bool, packed: bool, priority: bool
+) -> dict[str, float]:
+    """The trainer's step on this rank's rows; metrics are over all ranks."""
+    options = ModelOptions(compute_dtype=torch.bfloat16, compile=compile)
+    causal_lm = causal_lm_from_config(qwen3_0_6b())
+    num_parameters = sum(p.numel() for p in causal_lm.parameters())
+    policy = build_policy(causal_lm, dist.mesh, dist.device, options)
+    ctx = StepContext(
+        policy=policy,
+        dist=dist,
+        compute_dtype=torch.bfloat16,
+        flops_per_token=flops_per_token(policy.config, num_parameters, SEQ_LEN),
+        peak_flops=peak,
+    )
+    optimizer = build_optimizer(policy, OptimizerConfig(lr=1e-5), dist.device)
+    scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), WARMUP + STEPS)
+    original: Callable[..., Any] = step_module.sdpa_priority
+    if not priority:
+        step_module.sdpa_priority = lambda device: contextlib.nullcontext()
+    try:
+        results = []
+        for index in range(WARMUP + STEPS):
+            # Each rank packs its own documents: this measures the step, not data movement.
+            rows = pack_samples(documents(packed, dist.rank, index), SEQ_LEN)
+            share = rank_share(rows, 0, 1, ROWS)
+            batches = micro_batches(share.select(range(ROWS)), ROWS)
+            # Ranks draw different documents; the normaliser only scales gradients, not time.
+            loss_tokens = int(share.loss_mask[:ROWS].sum()) * dist.world_size
+            metrics = train_step(ctx, optimizer, scheduler, batches, sft_loss, loss_tokens, 1.0)
+            if index >= WARMUP:
+                results.append(metrics)
+    finally:
+        step_module.sdpa_priority = original
+    del policy, optimizer, ctx, causal_lm
+    free_memory()
+    return {
+        "tokens_per_second": float(np.median([m["tokens_per_second"] for m in results])),
+        "step_seconds": float(np.median([m["step_seconds"] for m in results])),
+        "peak_memory_gib": max(m.get("peak_memory_gib", 0.0) for m in results),
+        "loss_last": results[-1]["loss"],
+        "num_parameters": num_parameters,
+    }
+
+
+VARIANTS = {
+    "plain": None,
+    "primeflow": {"compile": True, "packed": False, "priority": True},
+    "primeflow-fa2": {"compile": True, "packed": False, "priority": False},
+    "primeflow-eager": {"compile": False, "packed": False, "priority": True},
+    "primeflow-packed": {"compile": True, "packed": True, "priority": True},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", default=None, help="write results here (rank 0)")
+    args = parser.parse_args()
+    dist = init_distributed("nccl")
+    peak = measure_bf16_peak(dist.device)
+    attention_flops = flops_per_token(qwen3_0_6b(), 0, SEQ_LEN)  # N = 0: the attention term
+    results: dict[str, Any] = {
+        "gpus": dist.world_size,
+        "device": torch.cuda.get_device_name(dist.device),
+        "torch": torch.__version__,
+        "varlen": attention_module.varlen_attn is not None,
+        "bf16_peak_tflops": peak / 1e12,
+    }
+    for name in args.variants.split(","):
+        try:
+            if VARIANTS[name] is None:
+                if dist.world_size > 1:
+                    continue
+                result = plain_hf(dist.device)
+            else:
+                result = primeflow(dist, peak, **VARIANTS[name])
+            per_token = attention_flops + 6 * result["num_parameters"]
+            result["mfu"] = result["tokens_per_second"] * per_token / (peak * dist.world_size)
+            results[name] = result
+        except Exception:  # one broken variant must not cost the others' numbers
+            results[name] = {"error": traceback.format_exc(limit=6)}
+            free_memory()
+        if dist.is_main:
+            print(name, json.dumps(results[name]), flush=True)
+    if dist.is_main:
+        base = results.get("plain", {}).get("tokens_per_second")
+        print(f"\n{dist.world_size} GPU(s) {results['device']}, bf16 peak {peak / 1e12:.0f} TF/s")
+        print(f"{'variant':18} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs plain':>9}")
+        for name in VARIANTS:
+            r = results.get(name)
+            if not r or "error" in r:
+                print(f"{name:18} {'failed' if r else 'skipped'}")
+                continue
+            ratio = f"{r['tokens_per_second'] / base:.2f}x" if base else "-"
+            print(
+                f"{name:18} {r['tokens_per_second']:10.0f} {r['mfu']:6.1%} "
+                f"{r['peak_memory_gib']:9.1f} {ratio:>9}"
+            )
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=2)
+    close_distributed()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The trainer's GPU runs on an H200 machine (see docs/benchmarks.md, "Trainer").
+#   bench: the 1-GPU benchmark (every variant), then primeflow on 2 GPUs (FSDP2 scaling)
+#   tests: tests/gpu (2-GPU NCCL equivalence, bf16 + compile, FA2 varlen)
+# Logs and JSON go to ${OUT:-/tmp/primeflow-bench}.
+set -uo pipefail
+OUT=${OUT:-/tmp/primeflow-bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'GPUs')"
+for stage in "$@"; do
+  case "$stage" in
+    bench)
+      CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m tests.bench.trainer.bench_trainer \
+        --json "$OUT/bench_1gpu.json" 2>&1 | tee "$OUT/bench_1gpu.log" | grep -v -i warn
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        timeout 180 torchrun --standalone --nproc-per-node 2 -m tests.bench.trainer.bench_trainer \
+          --variants primeflow --json "$OUT/bench_2gpu.json" 2>&1 | tee "$OUT/bench_2gpu.log" \
+          | grep -v -i warn | tail -8
+      fi ;;
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+  esac
+done
