@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from engine.config.base import BaseConfig
 
@@ -33,17 +33,80 @@ class InferenceConfig(BaseConfig):
     dtype: Annotated[
         Literal["auto", "bfloat16", "float16", "float32"], Field(description="Weights dtype.")
     ] = "auto"
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        Field(description="Where the servers run; auto: CUDA when a GPU is visible, else CPU."),
+    ] = "auto"
     gpu_memory_utilization: Annotated[
         float, Field(gt=0, le=1, description="Share of each GPU's memory vLLM may take.")
     ] = 0.9
+    kv_cache_gb: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            description=(
+                "KV cache per server in GiB. None: 1 GiB on CPU (vLLM would otherwise reserve a "
+                "share of all RAM), and `gpu_memory_utilization` decides on GPU."
+            ),
+        ),
+    ] = None
     tensor_parallel_size: Annotated[int, Field(ge=1, description="GPUs per server.")] = 1
     gpu_ids: Annotated[
-        list[int], Field(description="CUDA devices for the pool; empty: the first ones free.")
+        list[int],
+        Field(
+            description=(
+                "CUDA devices for the pool, `tensor_parallel_size` per server in order; "
+                "empty: devices 0 .. num_servers × tensor_parallel_size − 1."
+            )
+        ),
+    ] = []
+    cpu_cores: Annotated[
+        list[str],
+        Field(
+            description=(
+                "CPU only: per server, the cores its threads bind to, e.g. ['0-3', '4-7'] "
+                "(vLLM's VLLM_CPU_OMP_THREADS_BIND syntax); empty: vLLM chooses."
+            )
+        ),
     ] = []
     seed: Annotated[int, Field(ge=0, description="Sampling seed of each server.")] = 0
+    logprobs_mode: Annotated[
+        Literal["processed_logprobs", "raw_logprobs"],
+        Field(
+            description=(
+                "processed: log-probs of the distribution actually sampled from (after "
+                "temperature and top-p), what importance ratios need; raw: the model's "
+                "untempered log-softmax."
+            )
+        ),
+    ] = "processed_logprobs"
     startup_timeout_s: Annotated[
         float, Field(gt=0, description="How long a server may take to become ready.")
     ] = 600.0
+    reload_timeout_s: Annotated[
+        float, Field(gt=0, description="How long one server may take to swap in a checkpoint.")
+    ] = 300.0
+    request_timeout_s: Annotated[
+        float, Field(gt=0, description="Client: how long one generation request may take.")
+    ] = 600.0
+    request_retries: Annotated[
+        int, Field(ge=0, description="Client: retries of a request after a transient error.")
+    ] = 3
     extra_args: Annotated[
         list[str], Field(description="Passed as they are to vLLM's api_server.")
     ] = []
+
+    @model_validator(mode="after")
+    def _one_placement_per_server(self) -> InferenceConfig:
+        gpus = self.num_servers * self.tensor_parallel_size
+        if self.gpu_ids and len(self.gpu_ids) != gpus:
+            raise ValueError(
+                f"gpu_ids lists {len(self.gpu_ids)} devices; num_servers × tensor_parallel_size "
+                f"needs {gpus}"
+            )
+        if self.cpu_cores and len(self.cpu_cores) != self.num_servers:
+            raise ValueError(
+                f"cpu_cores has {len(self.cpu_cores)} entries; give one per server "
+                f"({self.num_servers})"
+            )
+        return self

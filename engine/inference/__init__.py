@@ -1,0 +1,1 @@
+"""The inference pool: vLLM servers, live weight reload, and an async client over them."""

@@ -1,0 +1,48 @@
+"""Run vLLM's OpenAI server so that it dies with the process that started it.
+
+`python -m engine.inference.launch <fd> <vllm api_server args...>`
+
+The pool keeps the write end of a pipe and hands the read end (`fd`) to this process. A thread
+here blocks reading it; the read returns only when every write end is closed, which the kernel
+does when the pool's process exits for any reason, SIGKILL included. The thread then ends this
+process group (this process is its leader: the pool starts it with `start_new_session`), which
+takes vLLM's engine and worker processes with it. `PR_SET_PDEATHSIG` would not do: it fires when
+the *thread* that forked exits, and Prefect runs tasks in short-lived worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+#: Time vLLM gets to shut down cleanly (free shared memory, join workers) before SIGKILL.
+GRACE_S = 5.0
+
+
+def end_group_when_closed(fd: int, grace_s: float = GRACE_S) -> None:
+    """Block until the pipe's writers are gone, then SIGTERM and later SIGKILL our group."""
+    while os.read(fd, 1):
+        pass
+    group = os.getpgrp()
+    os.killpg(group, signal.SIGTERM)
+    time.sleep(grace_s)
+    os.killpg(group, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> None:
+    """Start the watchdog thread, then run vLLM's server module as `__main__` in this process."""
+    if len(argv) < 2 or not argv[1].isdigit():
+        raise SystemExit("usage: python -m engine.inference.launch <fd> <vllm args...>")
+    fd = int(argv[1])
+    threading.Thread(target=end_group_when_closed, args=(fd,), daemon=True).start()
+    sys.argv = [VLLM_SERVER, *argv[2:]]
+    runpy.run_module(VLLM_SERVER, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,346 @@
+"""The inference pool: N vLLM servers for one model, started, supervised, reloaded, stopped.
+
+One pool lives for a whole pipeline run. It owns its servers' process groups (recorded in
+`<log_dir>/inference-pool.json` so a supervisor can kill them even if this object is lost),
+streams each server's log to `<log_dir>/inference-<i>.log`, and swaps committed checkpoints
+into every server without a restart. The servers also die on their own when the process that
+started the pool dies (see `engine.inference.launch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from engine.config.inference import InferenceConfig
+from engine.inference.checkpoints import check_compatible, checkpoint_step, local_checkpoint
+from engine.inference.endpoint import Endpoint
+from engine.inference.ports import free_port
+from engine.inference.reload_ext import served_model_folder
+from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
+from engine.models.resolve import resolve_model
+from engine.models.tiny import default_cache_dir
+
+POOL_RECORD = "inference-pool.json"
+_PORT_IN_USE = "port already in use"
+_RELOAD_METHOD = "primeflow_reload"
+
+
+class InferencePoolError(RuntimeError):
+    """The pool could not start, or a server failed; the message says which and why."""
+
+
+class ReloadError(RuntimeError):
+    """A checkpoint could not be swapped in; the servers still serve the previous weights."""
+
+
+def _looks_like_path(model: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else (or anything that exists) is a path."""
+    if os.path.exists(model):
+        return True
+    return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+
+
+def _detect_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class InferencePool:
+    """vLLM OpenAI-compatible servers for one model. Use as a context manager, or start/stop."""
+
+    def __init__(
+        self,
+        config: InferenceConfig,
+        *,
+        log_dir: Path,
+        cache_dir: Path | None = None,
+        revision: str | None = None,
+    ) -> None:
+        if config.model is None:
+            raise ValueError("inference.model is not set (it is filled from model.name)")
+        self.config = config
+        self.log_dir = Path(log_dir)
+        self.cache_dir = cache_dir or default_cache_dir()
+        self.revision = revision
+        key = config.api_key.get_secret_value() if config.api_key else None
+        self.api_key = key or secrets.token_urlsafe(32)
+        self.device = _detect_device() if config.device == "auto" else config.device
+        self.endpoints: list[Endpoint] = []
+        self._servers: list[ServerProcess] = []
+        self._model_path: str | None = None
+        self._served_folder: Path | None = None
+        self._current_folder: Path | None = None
+        self._pipe_write: int | None = None
+        self._pipe_read: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> InferencePool:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def model_name(self) -> str:
+        """The name clients send as `model` (the configured name, not the resolved path)."""
+        assert self.config.model is not None
+        return self.config.model
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy any server serves (all equal between reloads)."""
+        return min((e.policy_version for e in self.endpoints), default=0)
+
+    def start(self) -> None:
+        """Start every server and wait until all are ready; on any failure stop them all."""
+        if self._servers:
+            raise InferencePoolError("the pool is already running")
+        model = self._resolve_model()
+        self._pipe_read, self._pipe_write = os.pipe()
+        try:
+            started = time.monotonic()
+            for index in range(self.config.num_servers):
+                self._servers.append(self._launch(self._spec(index, model)))
+            for index in range(self.config.num_servers):
+                self._wait_ready(index, started)
+            self.endpoints = [
+                Endpoint(index=s.spec.index, base_url=s.spec.base_url, model=self.model_name)
+                for s in self._servers
+            ]
+            for server in self._servers:
+                with self._control(server) as http:
+                    _set_version(http, 0)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            os.close(self._pipe_read)
+            self._pipe_read = None
+        self._write_record("running")
+
+    def stop(self) -> None:
+        """End every process group this pool started; safe to call more than once."""
+        servers, self._servers = self._servers, []
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as executor:
+            list(executor.map(ServerProcess.stop, servers))
+        if self._pipe_write is not None:
+            os.close(self._pipe_write)
+            self._pipe_write = None
+        if servers:
+            self._write_record("stopped", servers)
+        self.endpoints = []
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _resolve_model(self) -> str:
+        assert self.config.model is not None
+        model = resolve_model(self.config.model, cache_dir=self.cache_dir)
+        if _looks_like_path(model):
+            folder = Path(model).expanduser()
+            if not (folder / "config.json").is_file():
+                reason = "does not exist" if not folder.exists() else "has no config.json"
+                raise InferencePoolError(f"model path {model} {reason}")
+            model = str(folder.resolve())
+        self._model_path = model
+        return model
+
+    def _spec(self, index: int, model: str, port: int | None = None) -> ServerSpec:
+        config = self.config
+        tp = config.tensor_parallel_size
+        gpus = config.gpu_ids or list(range(config.num_servers * tp))
+        if port is None:
+            port = config.base_port + index if config.base_port else free_port(config.host)
+        extra = list(config.extra_args)
+        if self.revision and "--revision" not in extra:
+            extra += ["--revision", self.revision]
+        return ServerSpec(
+            index=index,
+            model=model,
+            served_name=self.model_name,
+            host=config.host,
+            port=port,
+            api_key=self.api_key,
+            max_model_len=config.max_model_len,
+            dtype=config.dtype,
+            seed=config.seed,
+            logprobs_mode=config.logprobs_mode,
+            device=self.device,
+            kv_cache_gb=config.kv_cache_gb,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=tp,
+            gpu_ids=tuple(gpus[index * tp : (index + 1) * tp]) if self.device == "cuda" else (),
+            cpu_cores=config.cpu_cores[index] if config.cpu_cores else None,
+            extra_args=tuple(extra),
+        )
+
+    def _launch(self, spec: ServerSpec) -> ServerProcess:
+        assert self._pipe_read is not None
+        log_path = self.log_dir / f"inference-{spec.index}.log"
+        return ServerProcess.start(spec, log_path, self._pipe_read)
+
+    def _wait_ready(self, index: int, started: float) -> None:
+        """Wait for server `index`; a port taken by someone else gets one retry on a new port."""
+        remaining = self.config.startup_timeout_s - (time.monotonic() - started)
+        server = self._servers[index]
+        try:
+            server.wait_ready(max(remaining, 1.0))
+        except ServerStartError as exc:
+            if _PORT_IN_USE not in str(exc) or self.config.base_port:
+                raise InferencePoolError(str(exc)) from None
+            server.stop()
+            assert self._pipe_read is not None
+            self._servers[index] = self._launch(self._spec(index, server.spec.model, port=None))
+            try:
+                self._servers[index].wait_ready(max(remaining, 1.0))
+            except ServerStartError as retry_exc:
+                raise InferencePoolError(str(retry_exc)) from None
+
+    def _write_record(self, status: str, servers: list[ServerProcess] | None = None) -> None:
+        """`inference-pool.json`: who to kill if this process cannot (supervisors read it)."""
+        record = {
+            "status": status,
+            "supervisor_pid": os.getpid(),
+            "model": self.model_name,
+            "servers": [
+                {
+                    "index": s.spec.index,
+                    "pid": s.process.pid,
+                    "pgid": s.pgid,
+                    "url": s.spec.base_url,
+                    "log": str(s.log_path),
+                }
+                for s in (servers if servers is not None else self._servers)
+            ],
+        }
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / POOL_RECORD
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    # -- weight reload ---------------------------------------------------------------------
+
+    def _served(self) -> Path:
+        """The local folder the servers started from: the reference for every checkpoint."""
+        if self._served_folder is None:
+            assert self._model_path is not None
+            self._served_folder = served_model_folder(self._model_path, self.revision)
+        return self._served_folder
+
+    def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
+        """Swap `checkpoint` into every server and return the policy version now served.
+
+        `version` defaults to the step in the checkpoint's `step_NNNNNN` name. The checkpoint is
+        checked against the served model before any server is touched; if a server still fails,
+        the servers that had switched are switched back, so the pool never serves a mix. Raises
+        `ReloadError` with the servers on their previous weights.
+        """
+        if not self._servers:
+            raise ReloadError("the pool is not running")
+        location = os.fspath(checkpoint)
+        if version is None:
+            version = checkpoint_step(location)
+            if version is None:
+                raise ReloadError(f"no version given and none in the name of {location}")
+        try:
+            folder = local_checkpoint(location, self.cache_dir)
+            check_compatible(self._served(), folder)
+        except (OSError, ValueError) as exc:
+            raise ReloadError(f"cannot reload {location}: {exc}") from exc
+        previous_version = self.policy_version
+        previous_folder = self._current_folder or self._served()
+        with ThreadPoolExecutor(max_workers=len(self._servers)) as executor:
+            outcomes = list(
+                executor.map(
+                    lambda server: self._try_reload(server, folder, version), self._servers
+                )
+            )
+        failed = [(s, error) for s, error in zip(self._servers, outcomes, strict=True) if error]
+        if not failed:
+            self._current_folder = folder
+            return version
+        for server, error in zip(self._servers, outcomes, strict=True):
+            if error is None:
+                self._reload_server(server, previous_folder, previous_version)
+        server, error = failed[0]
+        raise ReloadError(
+            f"reload of {location} failed on server {server.spec.index}: {error}; "
+            f"all servers still serve policy version {previous_version}"
+        )
+
+    def _try_reload(self, server: ServerProcess, folder: Path, version: int) -> str | None:
+        try:
+            self._reload_server(server, folder, version)
+        except (httpx.HTTPError, ReloadError) as exc:
+            return str(exc)
+        return None
+
+    def _reload_server(self, server: ServerProcess, folder: Path, version: int) -> None:
+        """Pause (in-flight requests freeze), load, stamp the version, confirm it, resume."""
+        endpoint = self.endpoints[server.spec.index]
+        with self._control(server) as http:
+            _expect_ok(http.post("/pause", params={"mode": "keep"}), "pause")
+            try:
+                body = {
+                    "method": _RELOAD_METHOD,
+                    "args": [str(folder)],
+                    "timeout": self.config.reload_timeout_s,
+                }
+                _expect_ok(http.post("/collective_rpc", json=body), "reload")
+                _set_version(http, version)
+                endpoint.policy_version = version
+            finally:
+                with contextlib.suppress(httpx.HTTPError):
+                    http.post("/resume")
+
+    def _control(self, server: ServerProcess) -> httpx.Client:
+        """An HTTP client for a server's control routes (loopback + key, see `guard`)."""
+        return httpx.Client(
+            base_url=server.spec.base_url,
+            headers={"Authorization": f"Bearer {self.api_key}"},
+            timeout=self.config.reload_timeout_s,
+        )
+
+
+def _set_version(http: httpx.Client, version: int) -> None:
+    """Stamp the server's weight version, then read it back: proof the server took it."""
+    _expect_ok(
+        http.post("/update_weight_version", json={"new_version": str(version)}),
+        "update_weight_version",
+    )
+    served = http.get("/weight_info")
+    _expect_ok(served, "weight_info")
+    if served.json().get("weight_version") != str(version):
+        raise ReloadError(f"server reports {served.json()}, expected version {version}")
+
+
+def _expect_ok(response: httpx.Response, what: str) -> None:
+    """Raise `ReloadError` with vLLM's own message when a control call did not succeed."""
+    if response.status_code == 200:
+        return
+    try:
+        message = response.json().get("error", response.text)
+        if isinstance(message, dict):
+            message = message.get("message", message)
+    except ValueError:
+        message = response.text
+    message = re.sub(r"\s+", " ", str(message)).strip()
+    raise ReloadError(f"{what} answered {response.status_code}: {message}")

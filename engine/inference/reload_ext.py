@@ -1,0 +1,152 @@
+"""vLLM worker extension: reload a checkpoint folder in place, safely, with tied heads re-packed.
+
+Loaded by every vLLM worker through `--worker-extension-cls`, and called over the server's
+`/collective_rpc` route. It exists for three reasons vLLM's own `reload_weights` does not cover:
+
+1. **Validation before mutation.** vLLM moves each layer to the meta device before it reads the
+   new tensors, so a checkpoint that is missing, truncated or shaped for another model would
+   leave the server half-loaded. Here every file's safetensors header is read (which also checks
+   that the file is as long as the header says) and the names and shapes are compared with the
+   weights the server started from before a single parameter is touched.
+2. **Tied output layers on CPU.** vLLM's CPU backend packs each linear layer's weight into a
+   oneDNN/AMX layout once. A tied `lm_head` shares its weight with `embed_tokens` and is never
+   loaded itself, so after a reload it kept computing logits from the *old* packed copy. The
+   shared weight is re-packed after every reload.
+3. **No drift of the served model.** Weights are passed as an iterator rather than a path, so the
+   worker's `model_config.model` keeps naming what the server was started with.
+
+This module runs inside vLLM's worker processes: it may import vLLM, and nothing of primeflow's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+Signature = dict[str, tuple[int, ...]]
+
+_INDEX = "model.safetensors.index.json"
+_TIED_HEAD = "lm_head.weight"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a HF model folder (those its index names, if it has one)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    index = folder / _INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def read_signature(folder: Path) -> Signature:
+    """Tensor name → shape over all weight files; raises if any file is missing or truncated."""
+    signature: Signature = {}
+    for file in weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    signature[name] = tuple(handle.get_slice(name).get_shape())
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad files
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
+    return signature
+
+
+def signature_mismatch(expected: Signature, found: Signature, *, tied: bool) -> str | None:
+    """Why `found` cannot replace `expected`, or None when it can.
+
+    A tied head may be present in one and absent in the other: it is the embedding either way.
+    """
+    if tied:
+        expected = {k: v for k, v in expected.items() if k != _TIED_HEAD}
+        found = {k: v for k, v in found.items() if k != _TIED_HEAD}
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    reshaped = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensors (first: {missing[0]})")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensors (first: {extra[0]})")
+    if reshaped:
+        name = reshaped[0]
+        problems.append(f"{name} has shape {list(found[name])}, expected {list(expected[name])}")
+    return "; ".join(problems) or None
+
+
+def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, file by file, as vLLM's `load_weights` consumes them."""
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                yield name, handle.get_tensor(name)
+
+
+def served_model_folder(model: str, revision: str | None) -> Path:
+    """The local folder of the model the server started from (a path, or a hub snapshot)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    # vLLM downloaded it at startup, so the cache has it: no network needed here.
+    return Path(snapshot_download(model, revision=revision, local_files_only=True))
+
+
+def repack_tied_heads(model: torch.nn.Module) -> int:
+    """Re-run the CPU weight packing of every embedding-style layer whose weight is shared.
+
+    A no-op off CPU, where these layers use `layer.weight` directly. Returns the number of
+    layers re-packed.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            owners.setdefault(id(weight), []).append(module)
+    repacked = 0
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+                repacked += 1
+    return repacked
+
+
+class WeightReloadExtension:
+    """Methods mixed into vLLM's worker class; `self` is the worker (`model_runner`, configs)."""
+
+    _primeflow_reference: Signature | None = None
+
+    def primeflow_reload(self, folder: str) -> dict[str, int]:
+        """Validate `folder` against the served weights, load it in place, re-pack tied heads."""
+        path = Path(folder)
+        model_config = self.model_runner.model_config  # type: ignore[attr-defined]
+        if self._primeflow_reference is None:
+            base = served_model_folder(model_config.model, model_config.revision)
+            self._primeflow_reference = read_signature(base)
+        tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        found = read_signature(path)
+        problem = signature_mismatch(self._primeflow_reference, found, tied=tied)
+        if problem:
+            raise ValueError(f"checkpoint {path} does not fit the served model: {problem}")
+        self.model_runner.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=iterate_weights(path), is_checkpoint_format=True
+        )
+        repacked = repack_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
+        return {"tensors": len(found), "repacked": repacked}

@@ -1,0 +1,122 @@
+"""Live weight reload on a real vLLM CPU server, checked against transformers on the new weights.
+
+The served model ties its output layer to its input embedding, the case vLLM's CPU backend got
+wrong (the old packed output layer kept serving). Greedy ids must match transformers exactly and
+log-probs within 1e-4 (float32 on both sides). Prompts are longer than a KV-cache block, so a
+stale prefix cache would show up as wrong log-probs too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config.orchestrator import SamplingConfig
+from engine.inference.client import InferenceClient, Sample
+from engine.inference.pool import InferencePool, ReloadError
+from tests.integration.inference.conftest import Weights
+from tests.integration.inference.reference import greedy, token_logprobs
+
+pytestmark = pytest.mark.integration
+
+GREEDY = SamplingConfig(temperature=0, max_tokens=24)
+
+
+def long_prompt(weights: Weights) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(weights.base)
+    text = "The quick brown fox jumps over the lazy dog. " * 7
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+
+
+def greedy_sample(pool: InferencePool, prompt: list[int]) -> Sample:
+    async def sample() -> Sample:
+        async with InferenceClient.from_pool(pool) as client:
+            return (await client.generate(prompt, GREEDY))[0]
+
+    return asyncio.run(sample())
+
+
+def assert_serves(pool: InferencePool, weights_folder, prompt: list[int], version: int) -> None:
+    sample = greedy_sample(pool, prompt)
+    assert sample.policy_version == version
+    assert sample.completion_ids == greedy(weights_folder, prompt, GREEDY.max_tokens)
+    expected = token_logprobs(weights_folder, prompt, sample.completion_ids)
+    assert max(abs(a - b) for a, b in zip(sample.logprobs, expected, strict=True)) < 1e-4
+
+
+def weight_version(pool: InferencePool) -> str:
+    headers = {"Authorization": f"Bearer {pool.api_key}"}
+    url = f"{pool.endpoints[0].base_url}/weight_info"
+    return httpx.get(url, headers=headers).json()["weight_version"]
+
+
+def test_reload_serves_the_new_weights(base_pool: InferencePool, weights: Weights) -> None:
+    prompt = long_prompt(weights)
+    assert len(prompt) > 300
+    assert_serves(base_pool, weights.base, prompt, version=0)
+    # The version comes from the checkpoint folder's name, `step_000001`.
+    assert base_pool.reload(weights.other) == 1
+    assert base_pool.policy_version == 1 and weight_version(base_pool) == "1"
+    assert_serves(base_pool, weights.other, prompt, version=1)
+    # And back: the base weights serve again, exactly.
+    assert base_pool.reload(weights.base, version=0) == 0
+    assert_serves(base_pool, weights.base, prompt, version=0)
+
+
+@pytest.mark.parametrize(
+    ("which", "says"),
+    [
+        ("wrong_shape", "shape"),
+        ("truncated", "not a readable safetensors file"),
+        ("missing", "does not exist"),
+    ],
+)
+def test_failed_reload_keeps_the_old_weights(
+    base_pool: InferencePool, weights: Weights, which: str, says: str
+) -> None:
+    folder = weights.base.parent / "nowhere" if which == "missing" else getattr(weights, which)
+    with pytest.raises(ReloadError, match=says):
+        base_pool.reload(folder, version=7)
+    assert base_pool.policy_version == 0 and weight_version(base_pool) == "0"
+    assert_serves(base_pool, weights.base, long_prompt(weights), version=0)
+
+
+def test_server_itself_refuses_a_bad_checkpoint(base_pool: InferencePool, weights: Weights) -> None:
+    """Behind the pool's checks, the worker extension validates before touching any weight."""
+    url = f"{base_pool.endpoints[0].base_url}/collective_rpc"
+    headers = {"Authorization": f"Bearer {base_pool.api_key}"}
+    for folder in (weights.wrong_shape, weights.truncated):
+        body = {"method": "primeflow_reload", "args": [str(folder)]}
+        response = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert response.status_code == 500
+    assert_serves(base_pool, weights.base, long_prompt(weights), version=0)
+
+
+def test_requests_in_flight_keep_the_oldest_version(
+    base_pool: InferencePool, weights: Weights
+) -> None:
+    """Requests sent before a reload are stamped with the version they started on."""
+    prompts = [long_prompt(weights)[: 20 + i] for i in range(32)]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=200)
+
+    async def scenario() -> tuple[list[list[Sample]], list[Sample], int]:
+        # A cap above 32 × 4 sequences sends every request at once, before the reload.
+        async with InferenceClient.from_pool(base_pool, max_concurrent=128) as client:
+            before = asyncio.create_task(client.generate_batch(prompts, sampling, n=4))
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(base_pool.reload, weights.other)
+            pending = 0 if before.done() else 1
+            after = await client.generate(prompts[0], SamplingConfig(max_tokens=4))
+            return await before, after, pending
+
+    before, after, pending = asyncio.run(scenario())
+    assert pending == 1  # the reload really happened while requests were in flight
+    assert {s.policy_version for group in before for s in group} == {0}
+    assert all(len(s.completion_ids) == len(s.logprobs) > 0 for group in before for s in group)
+    assert [s.policy_version for s in after] == [1]
