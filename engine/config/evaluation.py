@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config.base import BaseConfig
-from engine.config.orchestrator import EnvConfig, SamplingConfig
+from engine.config.orchestrator import EnvConfig, SamplingConfig, check_unique_labels
 
 
 class EvalConfig(BaseConfig):
@@ -23,5 +23,28 @@ class EvalConfig(BaseConfig):
     sampling: SamplingConfig = SamplingConfig()
     greedy: Annotated[bool, Field(description="Also report temperature-0 results.")] = True
     checkpoint_step: Annotated[
-        int | None, Field(ge=0, description="Checkpoint to evaluate; None: the latest committed.")
+        int | None,
+        Field(
+            ge=0,
+            description="Checkpoint to evaluate; 0: the base model; None: the latest committed "
+            "(or, given a running pool, the policy it serves).",
+        ),
     ] = None
+    stage: Annotated[
+        Literal["rl", "sft"],
+        Field(description="Whose checkpoints: RL's (`<run>/checkpoints`) or SFT's (`<run>/sft`)."),
+    ] = "rl"
+    name: Annotated[
+        str | None,
+        Field(min_length=1, description="Results go to `<run>/eval/<name>/`; None: the stage."),
+    ] = None
+    pass_threshold: Annotated[
+        float | None,
+        Field(description="Reward that counts as solved for pass@k; None: each env's own."),
+    ] = None
+    max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
+
+    @model_validator(mode="after")
+    def _env_labels_are_unique(self) -> EvalConfig:
+        check_unique_labels(self.envs)
+        return self

@@ -48,6 +48,15 @@ class EnvConfig(BaseConfig):
     ] = None
 
 
+def check_unique_labels(envs: list[EnvConfig]) -> None:
+    labels = [env.name or env.id for env in envs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(
+            f"environment {repeated[0]!r} appears more than once; give each entry its own `name`"
+        )
+
+
 class GroupRelativeAdvantageConfig(BaseConfig):
     """Reward minus the group mean; optionally divided by the group std."""
 
@@ -111,9 +120,21 @@ class OrchestratorConfig(BaseConfig):
         int, Field(ge=0, description="Drop samples whose policy fell this many steps behind.")
     ] = 8
     max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
+    poll_interval_s: Annotated[
+        float, Field(gt=0, description="How often to look for a newer committed checkpoint.")
+    ] = 0.5
+    policy_timeout_s: Annotated[
+        float,
+        Field(gt=0, description="Longest wait for the checkpoint a step needs before failing."),
+    ] = 3600.0
     sampling: SamplingConfig = SamplingConfig()
     advantage: AdvantageConfig = GroupRelativeAdvantageConfig()
     filters: Annotated[list[FilterConfig], Field(description="Applied in order.")] = []
+
+    @model_validator(mode="after")
+    def _env_labels_are_unique(self) -> OrchestratorConfig:
+        check_unique_labels(self.envs)
+        return self
 
     @model_validator(mode="after")
     def _batch_holds_whole_groups(self) -> OrchestratorConfig:

@@ -2,17 +2,21 @@
 
 The chat template is applied by the tokenizer once per turn to build the prompt; the sampled
 ids and log-probs come back from the server and are kept as they are. On later turns of a
-conversation the earlier tokens are reused verbatim: the new prompt is the previous prompt, the
-previous sampled ids, then only the newly rendered tail (the environment's reply and the
-generation prompt). That is possible only when the template re-renders the history as the same
-text; when it does not (a template that rewrites earlier turns), the turn starts from a fresh
-rendering and `trajectory.assemble` splits the conversation there instead of training on
-tokens the model never saw.
+conversation the earlier tokens are reused verbatim — the previous prompt ids and the previous
+sampled ids, exactly, even where the sampled ids hold special tokens the decoded text leaves
+out — followed by only what the template adds: the closing of the model's turn (less the stop
+token the model already emitted), the environment's messages and the generation prompt.
+
+That needs a template that only appends: rendering the conversation so far must extend the
+previous rendering, and render the model's reply as the text it sampled. When a template
+rewrites history instead (reasoning templates that drop earlier thoughts, tool calls re-rendered
+in another format) the turn starts from a fresh rendering and `trajectory.assemble` splits the
+conversation there rather than train on tokens the model never saw.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +45,9 @@ class Turn:
     finish_reason: str
     #: The completion as the server decoded it (what the environment reads).
     text: str
-    #: Rendered prompt + decoded completion, special tokens kept: a later rendering that starts
-    #: with this text extends this turn verbatim.
-    history_text: str
+    #: The messages the prompt was rendered from, and the template's rendering of them.
+    prompt_messages: tuple[ChatMessage, ...] = ()
+    prompt_text: str = ""
 
     @property
     def is_truncated(self) -> bool:
@@ -51,18 +55,24 @@ class Turn:
 
 
 class ChatTokenizer:
-    """The three tokenizer operations turns need, over a Hugging Face tokenizer."""
+    """The tokenizer operations turns need, over a Hugging Face tokenizer."""
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None):
         self._tokenizer = tokenizer
         self._template_kwargs = dict(chat_template_kwargs or {})
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[ChatMessage] | None) -> str:
-        """The chat template applied to `messages`, ending in the generation prompt."""
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatMessage] | None,
+        *,
+        generation_prompt: bool = True,
+    ) -> str:
+        """The chat template applied to `messages` (ending in the generation prompt)."""
         return self._tokenizer.apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
-            add_generation_prompt=True,
+            add_generation_prompt=generation_prompt,
             tokenize=False,
             **self._template_kwargs,
         )
@@ -75,14 +85,35 @@ class ChatTokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
 
-def next_prompt_ids(
-    rendered: str, previous: Turn | None, encode: Callable[[str], list[int]]
-) -> list[int]:
-    """Prompt ids for `rendered`, reusing the previous turn's tokens when it extends them."""
-    if previous is not None and rendered.startswith(previous.history_text):
-        tail = rendered[len(previous.history_text) :]
-        return [*previous.prompt_ids, *previous.completion_ids, *encode(tail)]
-    return encode(rendered)
+def continuation(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ChatMessage] | None,
+    previous: Turn,
+    rendered: str,
+    tokenizer: ChatTokenizer,
+) -> str | None:
+    """Text to append after `previous`'s prompt and sampled ids, or None if history changed.
+
+    `messages` must be the previous prompt's messages, the model's reply, then anything new;
+    `rendered` is their full rendering.
+    """
+    count = len(previous.prompt_messages)
+    if len(messages) <= count or tuple(messages[:count]) != previous.prompt_messages:
+        return None
+    if messages[count].get("role") != "assistant":
+        return None
+    history = tokenizer.render(messages[: count + 1], tools, generation_prompt=False)
+    if not (history.startswith(previous.prompt_text) and rendered.startswith(history)):
+        return None
+    reply = history[len(previous.prompt_text) :]
+    if not reply.startswith(previous.text):
+        return None
+    closing = reply[len(previous.text) :]
+    if previous.finish_reason == "stop" and previous.completion_ids:
+        stop_token = tokenizer.decode(previous.completion_ids[-1:])
+        if closing.startswith(stop_token):
+            closing = closing[len(stop_token) :]  # the model's own stop token closed its turn
+    return closing + rendered[len(history) :]
 
 
 class TurnGenerator:
@@ -93,6 +124,24 @@ class TurnGenerator:
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
 
+    def prompt_ids(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ChatMessage] | None,
+        previous: Turn | None,
+        rendered: str,
+    ) -> list[int]:
+        """The previous turn's tokens plus the new tail when possible, else a fresh rendering."""
+        if previous is not None:
+            tail = continuation(messages, tools, previous, rendered, self.tokenizer)
+            if tail is not None:
+                return [
+                    *previous.prompt_ids,
+                    *previous.completion_ids,
+                    *self.tokenizer.encode(tail),
+                ]
+        return self.tokenizer.encode(rendered)
+
     async def generate(
         self,
         messages: Sequence[ChatMessage],
@@ -102,7 +151,7 @@ class TurnGenerator:
         previous: Turn | None = None,
     ) -> Turn:
         rendered = self.tokenizer.render(messages, tools)
-        prompt_ids = next_prompt_ids(rendered, previous, self.tokenizer.encode)
+        prompt_ids = self.prompt_ids(messages, tools, previous, rendered)
         room = self.max_seq_len - len(prompt_ids)
         if room < 1:
             raise PromptTooLongError(
@@ -113,13 +162,13 @@ class TurnGenerator:
             (sample,) = await self.sampler.generate(prompt_ids, bounded, n=1)
         except Exception as exc:
             raise SamplerFailedError(f"{type(exc).__name__}: {exc}") from exc
-        completion_ids = tuple(int(token) for token in sample.completion_ids)
         return Turn(
             prompt_ids=tuple(prompt_ids),
-            completion_ids=completion_ids,
+            completion_ids=tuple(int(token) for token in sample.completion_ids),
             logprobs=tuple(float(value) for value in sample.logprobs),
             policy_version=int(sample.policy_version),
             finish_reason=sample.finish_reason,
             text=sample.text,
-            history_text=rendered + self.tokenizer.decode(completion_ids),
+            prompt_messages=tuple(dict(message) for message in messages),
+            prompt_text=rendered,
         )

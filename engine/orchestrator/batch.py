@@ -24,6 +24,8 @@ class StepBatch:
     step: int
     samples: list[TrainSample] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
+    #: Rewards of every fresh sample by environment, before filters: what the policy earned.
+    rewards: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +79,8 @@ class BatchBuilder:
             max_off_policy_steps=self._max_off_policy_steps,
         )
         counts.update(stale)
+        if fresh:
+            self.batch.rewards.setdefault(group.env, []).extend(s.reward for s in fresh)
         kept, filtered = apply_filters([fresh] if fresh else [], self._filters)
         counts.update(filtered)
         for samples in kept:

@@ -39,24 +39,29 @@ class Completion:
 
 @dataclass
 class ScriptedPolicy:
-    """A `Sampler` whose reply is `reply(prompt_text)`, tokenised by the real tokenizer."""
+    """A `Sampler` that samples `reply(prompt_text)` and then `stop_token`, like vLLM would.
+
+    The reply may contain special tokens; as with vLLM, the returned text leaves them out while
+    the ids keep them.
+    """
 
     tokenizer: Any
     reply: Callable[[str], str]
     policy_version: int = 0
+    stop_token: str = IM_END
     requests: list[tuple[list[int], SamplingConfig]] = field(default_factory=list)
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, *, n: int = 1
     ) -> list[Completion]:
         self.requests.append((list(prompt_ids), sampling))
-        text = self.reply(self.tokenizer.decode(list(prompt_ids)))
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        ids.append(self.tokenizer.convert_tokens_to_ids(IM_END))
+        raw = self.reply(self.tokenizer.decode(list(prompt_ids)))
+        ids = self.tokenizer.encode(raw, add_special_tokens=False)
+        ids.append(self.tokenizer.convert_tokens_to_ids(self.stop_token))
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         logprobs = [-0.01 * (index + 1) for index in range(len(ids))]
         return [Completion(ids, logprobs, text, finish, self.policy_version) for _ in range(n)]
 

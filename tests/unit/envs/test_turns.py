@@ -57,8 +57,7 @@ def test_first_turn_prompt_is_the_chat_template_tokenised_once(
     )
     assert list(turn.prompt_ids) == hf_tokenizer.encode(rendered, add_special_tokens=False)
     assert sampler.requests[0][0] == list(turn.prompt_ids)
-    assert turn.text == "echo one"
-    assert turn.history_text == rendered + "echo one<|im_end|>"
+    assert turn.text == "echo one" and turn.prompt_text == rendered
 
 
 def test_later_turns_keep_earlier_tokens_verbatim_and_mask_only_sampled_tokens(
@@ -79,6 +78,23 @@ def test_later_turns_keep_earlier_tokens_verbatim_and_mask_only_sampled_tokens(
         (lp != 0.0) == mask for lp, mask in zip(sequence.logprobs, sequence.loss_mask, strict=True)
     )
     assert sequence.prompt_len == len(turns[0].prompt_ids)
+
+
+def test_sampled_special_tokens_and_other_stop_tokens_stay_verbatim(
+    hf_tokenizer: Any, policy: Any, generator: Any
+) -> None:
+    # The text the environment sees drops `<|im_start|>`, and the turn ends on `<|endoftext|>`
+    # rather than the template's `<|im_end|>`: the next prompt still holds the sampled ids.
+    sampler = policy(lambda prompt: "a<|im_start|>b", stop_token="<|endoftext|>")
+    turns, messages = conversation(generator(sampler), 2)
+    assert turns[0].text == "ab"
+    (sequence,) = assemble(turns)
+    text = hf_tokenizer.decode(sequence.token_ids)
+    first = hf_tokenizer.apply_chat_template(
+        messages[:2], add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith(first + "a<|im_start|>b<|endoftext|><|im_end|>\n<|im_start|>user\nn0")
+    assert sum(sequence.loss_mask) == sum(len(turn.completion_ids) for turn in turns)
 
 
 def test_a_template_that_rewrites_history_splits_the_trajectory(
@@ -142,6 +158,6 @@ def test_policy_version_of_a_sequence_is_its_oldest_turn(policy: Any, generator:
 
 
 def test_turns_with_misaligned_logprobs_are_rejected() -> None:
-    turn = Turn((1, 2), (3, 4), (-0.1,), 0, "stop", "", "")
+    turn = Turn((1, 2), (3, 4), (-0.1,), 0, "stop", "")
     with pytest.raises(ValueError, match="2 sampled tokens but 1 log-probs"):
         assemble([turn])

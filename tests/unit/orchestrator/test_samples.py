@@ -14,7 +14,7 @@ from tests.unit.orchestrator.helpers import group
 
 
 def turn(prompt: tuple[int, ...], completion: tuple[int, ...], version: int = 0) -> Turn:
-    return Turn(prompt, completion, tuple(-0.1 for _ in completion), version, "stop", "", "")
+    return Turn(prompt, completion, tuple(-0.1 for _ in completion), version, "stop", "")
 
 
 def rollout(reward: float, turns: list[Turn], **fields: object) -> Rollout:

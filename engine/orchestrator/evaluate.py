@@ -1,0 +1,213 @@
+"""Evaluation: a policy on environments' held-out splits, as avg@k and pass@k.
+
+Each held-out task is played k times at the configured sampling (and once greedily when asked).
+avg@k is the mean reward over all k·N rollouts; pass@k is the unbiased estimate of the chance
+that at least one of k samples reaches the pass threshold (Chen et al., 2021), so pass@1 is the
+plain pass rate. A rollout that could not be scored (environment error, prompt too long, nothing
+sampled, NaN reward) counts as reward 0 and a failure, and is counted by reason. Per-sample
+results go to `results.arrow` and the numbers to `summary.json`, committed together under
+`<run>/eval/<name>/step_N/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from engine.config.orchestrator import SamplingConfig
+from engine.envs import Environment, Rollout, TurnGenerator, assemble
+from engine.orchestrator.samples import skip_reason
+from storage.commit import begin_step, commit_step, digest_bytes
+from storage.layout import RunLayout
+from storage.paths import join
+
+RESULTS = "results.arrow"
+SUMMARY = "summary.json"
+
+EVAL_SCHEMA = pa.schema(
+    [
+        pa.field("env", pa.string(), nullable=False),
+        pa.field("example_id", pa.int64(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),  # "sampled" or "greedy"
+        pa.field("sample", pa.int32(), nullable=False),  # index within the example's k
+        pa.field("reward", pa.float64(), nullable=False),  # NaN when it could not be scored
+        pa.field("passed", pa.bool_(), nullable=False),
+        pa.field("skip_reason", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("policy_version", pa.int64()),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("completion_tokens", pa.int32(), nullable=False),
+        pa.field("is_truncated", pa.bool_(), nullable=False),
+        pa.field("prompt_text", pa.string(), nullable=False),
+        pa.field("completion_text", pa.string(), nullable=False),
+        pa.field("metrics", pa.map_(pa.string(), pa.float64()), nullable=False),
+    ]
+)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from `n` samples of which `c` passed: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One evaluated rollout."""
+
+    rollout: Rollout
+    sample: int
+    reward: float  # 0 for rollouts that could not be scored
+    passed: bool
+    skip: str | None
+
+
+def summarize(scored: Sequence[Scored], k: int) -> dict[str, Any]:
+    """avg@k, pass@1, pass@k and companions over one environment's evaluated rollouts."""
+    by_example: dict[int, list[Scored]] = {}
+    for item in scored:
+        by_example.setdefault(item.rollout.example_id, []).append(item)
+    rewards = [item.reward for item in scored]
+    mean = math.fsum(rewards) / len(rewards) if rewards else 0.0
+    lengths = [sum(len(t.completion_ids) for t in item.rollout.turns) for item in scored]
+    return {
+        "examples": len(by_example),
+        "samples": len(scored),
+        f"avg@{k}": mean,
+        "reward_std": math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
+        if rewards
+        else 0.0,
+        "pass@1": _mean_pass(by_example.values(), 1),
+        f"pass@{k}": _mean_pass(by_example.values(), k),
+        "completion_len_mean": math.fsum(lengths) / len(lengths) if lengths else 0.0,
+        "truncated_rate": (
+            sum(item.rollout.is_truncated for item in scored) / len(scored) if scored else 0.0
+        ),
+        "skipped": dict(Counter(item.skip for item in scored if item.skip)),
+    }
+
+
+def _mean_pass(groups: Any, k: int) -> float:
+    values = [pass_at_k(len(g), sum(item.passed for item in g), k) for g in groups if len(g) >= k]
+    return math.fsum(values) / len(values) if values else 0.0
+
+
+def score(rollouts: Sequence[Rollout], threshold: float) -> list[Scored]:
+    scored = []
+    for index, rollout in enumerate(rollouts):
+        skip = skip_reason(rollout)
+        reward = 0.0 if skip else rollout.reward
+        scored.append(Scored(rollout, index, reward, skip is None and reward >= threshold, skip))
+    return scored
+
+
+async def play(
+    env: Environment,
+    generator: TurnGenerator,
+    sampling: SamplingConfig,
+    *,
+    num_examples: int,
+    k: int,
+    max_concurrent: int,
+    threshold: float,
+) -> list[Scored]:
+    """Play the first `num_examples` held-out tasks `k` times each; every rollout scored."""
+    tasks = env.tasks("eval")
+    gate = asyncio.Semaphore(max(1, max_concurrent // k))
+
+    async def one(index: int) -> list[Scored]:
+        async with gate:
+            return score(await env.run_group(tasks[index], k, generator, sampling), threshold)
+
+    groups = await asyncio.gather(*(one(i) for i in range(min(num_examples, len(tasks)))))
+    return [item for group in groups for item in group]
+
+
+def rows(scored: Sequence[Scored], mode: str, sampling: SamplingConfig, decode: Any) -> list[dict]:
+    """`EVAL_SCHEMA` rows: the decoded prompt and completion beside each score."""
+    out = []
+    for item in scored:
+        rollout = item.rollout
+        sequences = assemble(rollout.turns) if rollout.turns else []
+        prompt = decode(sequences[0].token_ids[: sequences[0].prompt_len]) if sequences else ""
+        completion = "".join(decode(s.token_ids[s.prompt_len :]) for s in sequences)
+        out.append(
+            {
+                "env": rollout.env,
+                "example_id": rollout.example_id,
+                "mode": mode,
+                "sample": item.sample,
+                "reward": rollout.reward if item.skip is None else math.nan,
+                "passed": item.passed,
+                "skip_reason": item.skip,
+                "error": rollout.error,
+                "policy_version": min((s.policy_version for s in sequences), default=None),
+                "temperature": sampling.temperature,
+                "completion_tokens": sum(len(t.completion_ids) for t in rollout.turns),
+                "is_truncated": rollout.is_truncated,
+                "prompt_text": prompt,
+                "completion_text": completion,
+                "metrics": {key: float(value) for key, value in rollout.metrics.items()},
+            }
+        )
+    return out
+
+
+def write_eval(
+    store: Any, name: str, step: int, results: list[dict], summary: dict[str, Any]
+) -> str:
+    """Commit `results.arrow` and `summary.json` under `eval/<name>/step_N/`; its URI."""
+    table = pa.Table.from_pylist(results, schema=EVAL_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with ipc.new_file(sink, EVAL_SCHEMA) as writer:
+        writer.write_table(table)
+    payloads = {
+        RESULTS: sink.getvalue().to_pybytes(),
+        SUMMARY: (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode(),
+    }
+    step_dir = RunLayout.eval_dir(name, step)
+    begin_step(store, step_dir)
+    for file, data in payloads.items():
+        store.write_bytes(join(step_dir, file), data)
+    commit_step(
+        store,
+        step_dir,
+        {file: digest_bytes(data) for file, data in payloads.items()},
+        step=step,
+        rows=table.num_rows,
+    )
+    return store.url(step_dir)
+
+
+def summary_document(
+    name: str, step: int, k: int, per_env: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The `summary.json` document: per-environment numbers and their unweighted means."""
+    headline = {}
+    for key in (f"avg@{k}", "pass@1", f"pass@{k}"):
+        values = [env[key] for env in per_env.values()]
+        headline[key] = math.fsum(values) / len(values) if values else 0.0
+    for mode in ("greedy",):
+        values = [env[mode]["avg@1"] for env in per_env.values() if mode in env]
+        if values:
+            headline[f"{mode}/avg@1"] = math.fsum(values) / len(values)
+    return {
+        "name": name,
+        "step": step,
+        "k": k,
+        "created_at": datetime.now(UTC).isoformat(),
+        **headline,
+        "envs": per_env,
+    }

@@ -1,0 +1,261 @@
+"""The RL data plane: rollouts in flight → scored groups → one committed shard set per step.
+
+Rollouts run continuously: whenever a group finishes, another starts, up to `max_concurrent`
+rollouts in flight, so a step never waits for the slowest rollout of its batch — a late group
+simply lands in a later batch (if it is still fresh enough). Each finished group is scored,
+given advantages and admitted to the step being built by `BatchBuilder`, which enforces the
+async bound and the filters. New rollouts start only while the policy the pool serves may go
+into that step; otherwise the loop waits for the trainer's next checkpoint, which it asks the
+pool to load as soon as it is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.config.orchestrator import OrchestratorConfig
+from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task, TurnGenerator
+from engine.orchestrator.advantages import build_advantage_fn
+from engine.orchestrator.async_bound import may_sample_for, min_policy_version
+from engine.orchestrator.batch import BatchBuilder, StepBatch
+from engine.orchestrator.filters import build_filters
+from engine.orchestrator.samples import Group, TrainSample, build_group
+from engine.orchestrator.step_metrics import step_metrics
+from engine.trainer.metrics import write_metrics
+from storage.commit import latest_committed_step, read_commit
+from storage.layout import RunLayout
+from storage.shards import write_rollouts
+from storage.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+#: The stage name of the orchestrator's lines under `<run>/metrics/`.
+METRICS_STAGE = "orchestrator"
+#: Consecutive failed reloads of a committed checkpoint before the run stops.
+MAX_RELOAD_FAILURES = 3
+
+
+class PolicyServer(Protocol):
+    """The part of the inference pool that swaps weights (`engine.inference.pool.InferencePool`)."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Launch:
+    entry: MixEntry
+    task: Task
+    group_id: int
+
+
+class Orchestrator:
+    """Drives environments against the pool and commits `rollouts/step_N` for N = 1..max_steps."""
+
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        *,
+        store: ObjectStore,
+        sampler: Sampler,
+        server: PolicyServer,
+        tokenizer: Any,
+        envs: Sequence[MixEntry],
+        seed: int = 0,
+    ) -> None:
+        if config.max_steps is None or config.seq_len is None:
+            raise ValueError("orchestrator.max_steps and seq_len must be set (shared fields)")
+        for entry in envs:
+            if not entry.sampling.temperature > 0:
+                raise ValueError(
+                    f"env {entry.env.name!r}: RL needs temperature > 0 (the trainer weighs "
+                    "samples by their sampling probability)"
+                )
+        self.config = config
+        self.store = store
+        self.server = server
+        self.tokenizer = tokenizer
+        self.generator = TurnGenerator(sampler, ChatTokenizer(tokenizer), config.seq_len)
+        self.mix = EnvMix(envs, seed=seed)
+        self.advantage_fn = build_advantage_fn(config.advantage, config.sampling.max_tokens)
+        self.filters = build_filters(config.filters)
+        self.metrics: list[dict[str, float]] = []
+        self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
+        self._pending: deque[Group] = deque()
+        self._group_ids = itertools.count()
+        self._last_poll = -math.inf
+        self._reload_failures = 0
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> list[dict[str, float]]:
+        """Commit every remaining step (resuming after the last committed one); its metrics."""
+        first = self._resume()
+        assert self.config.max_steps is not None
+        try:
+            for step in range(first, self.config.max_steps + 1):
+                started = time.monotonic()
+                batch = await self._collect(step)
+                await self._commit(step, batch, time.monotonic() - started)
+        finally:
+            await self._cancel_inflight()
+        return self.metrics
+
+    def _resume(self) -> int:
+        """The first step to make; after a restart, the task order continues where it was."""
+        last = latest_committed_step(self.store, RunLayout.ROLLOUTS)
+        if last is None:
+            return 1
+        drawn = int(read_commit(self.store, RunLayout.rollouts_dir(last)).meta.get("groups", 0))
+        for _ in range(drawn):
+            self.mix.next()
+        logger.info("resuming after committed rollouts step %d (%d groups drawn)", last, drawn)
+        return last + 1
+
+    async def _collect(self, step: int) -> StepBatch:
+        builder = BatchBuilder(
+            step,
+            batch_size=self.config.batch_size,
+            unit=self.config.batch_unit,
+            filters=self.filters,
+            max_async_level=self.config.max_async_level,
+            max_off_policy_steps=self.config.max_off_policy_steps,
+        )
+        blocked_since: float | None = None
+        while True:
+            await self._refresh_policy()
+            served = self.server.policy_version
+            while self._pending and not builder.full:
+                builder.add(self._pending.popleft(), served)
+            if builder.full:
+                return builder.batch
+            if may_sample_for(step, served, self.config.max_async_level):
+                self._top_up()
+            if not self._inflight:
+                blocked_since = blocked_since or time.monotonic()
+                self._check_wait(step, served, time.monotonic() - blocked_since)
+                await asyncio.sleep(self.config.poll_interval_s)
+                continue
+            blocked_since = None
+            done, _ = await asyncio.wait(
+                self._inflight,
+                timeout=self.config.poll_interval_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            for task in done:
+                self._pending.append(self._finish(task))
+
+    def _check_wait(self, step: int, served: int, waited_s: float) -> None:
+        if waited_s <= self.config.policy_timeout_s:
+            return
+        needed = min_policy_version(step, self.config.max_async_level)
+        raise TimeoutError(
+            f"step {step} needs policy version {needed} but the pool serves {served} and no "
+            f"newer checkpoint was committed under {self.store.url(RunLayout.CHECKPOINTS)} in "
+            f"{waited_s:.0f} s (orchestrator.policy_timeout_s); is the trainer running?"
+        )
+
+    def _top_up(self) -> None:
+        """Start groups until `max_concurrent` rollouts are in flight (at least one group)."""
+        per_group = self.config.rollouts_per_example
+        while not self._inflight or (len(self._inflight) + 1) * per_group <= (
+            self.config.max_concurrent
+        ):
+            entry, task = self.mix.next()
+            coroutine = entry.env.run_group(task, per_group, self.generator, entry.sampling)
+            launched = asyncio.create_task(coroutine)
+            self._inflight[launched] = _Launch(entry, task, next(self._group_ids))
+
+    def _finish(self, task: asyncio.Task[list[Rollout]]) -> Group:
+        launch = self._inflight.pop(task)
+        return build_group(
+            task.result(),  # failures of the pool itself propagate and stop the run
+            group_id=launch.group_id,
+            temperature=launch.entry.sampling.temperature,
+            advantage_fn=self.advantage_fn,
+        )
+
+    async def _cancel_inflight(self) -> None:
+        tasks = list(self._inflight)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._inflight.clear()
+
+    # -- policy -----------------------------------------------------------------------------
+
+    async def _refresh_policy(self) -> None:
+        """Ask the pool to load the newest committed checkpoint if it serves an older one."""
+        now = time.monotonic()
+        if now - self._last_poll < self.config.poll_interval_s:
+            return
+        self._last_poll = now
+        latest = await asyncio.to_thread(latest_committed_step, self.store, RunLayout.CHECKPOINTS)
+        if latest is None or latest <= self.server.policy_version:
+            return
+        uri = self.store.url(RunLayout.checkpoint_dir(latest))
+        try:
+            await asyncio.to_thread(self.server.reload, uri, latest)
+        except Exception as exc:
+            self._reload_failures += 1
+            logger.warning("reload of %s failed (%d): %s", uri, self._reload_failures, exc)
+            if self._reload_failures >= MAX_RELOAD_FAILURES:
+                raise
+            return
+        self._reload_failures = 0
+        logger.info("the pool serves policy version %d (%s)", latest, uri)
+
+    # -- output -----------------------------------------------------------------------------
+
+    def _row(self, step: int, sample: TrainSample) -> dict[str, Any]:
+        sequence = sample.sequence
+        prompt, completion = (
+            sequence.token_ids[: sequence.prompt_len],
+            sequence.token_ids[sequence.prompt_len :],
+        )
+        return {
+            "step": step,
+            "policy_version": sample.policy_version,
+            "env": sample.env,
+            "example_id": sample.example_id,
+            "group_id": sample.group_id,
+            "token_ids": sequence.token_ids,
+            "loss_mask": sequence.loss_mask,
+            "logprobs": sequence.logprobs,
+            "reward": sample.reward,
+            "advantage": sample.advantage,
+            "temperature": sample.temperature,
+            "is_truncated": sample.is_truncated,
+            "prompt_text": self.tokenizer.decode(prompt, skip_special_tokens=False),
+            "completion_text": self.tokenizer.decode(completion, skip_special_tokens=False),
+            "metrics": {k: float(v) for k, v in sample.metrics.items() if math.isfinite(v)},
+        }
+
+    async def _commit(self, step: int, batch: StepBatch, elapsed_s: float) -> None:
+        served = self.server.policy_version
+        rows = [self._row(step, sample) for sample in batch.samples]
+        meta = {"groups": sum(self.mix.counts), "served_version": served}
+        await asyncio.to_thread(write_rollouts, self.store, step, rows, meta=meta)
+        metrics = step_metrics(batch, served_version=served, elapsed_s=elapsed_s)
+        await asyncio.to_thread(write_metrics, self.store, METRICS_STAGE, step, metrics)
+        self.metrics.append({"step": step, **metrics})
+        logger.info(
+            "step %d: %d samples, reward %.3f, %.1f samples/s, policy %d (oldest %d)",
+            step,
+            metrics["samples"],
+            metrics["reward/mean"],
+            metrics["throughput/samples_per_s"],
+            served,
+            metrics["policy/oldest_version"],
+        )

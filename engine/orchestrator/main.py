@@ -1,0 +1,191 @@
+"""Entry points: the RL orchestrator and evaluation, from a `PrimeflowConfig`.
+
+Both run against an inference pool: the running one a caller passes (the pipeline keeps one
+pool up across stages), or one they start from `config.inference` and stop when done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from engine.config import PrimeflowConfig
+from engine.config.orchestrator import EnvConfig, SamplingConfig
+from engine.envs import ChatTokenizer, MixEntry, TurnGenerator, load_environment
+from engine.inference.client import InferenceClient
+from engine.inference.pool import InferencePool
+from engine.models.resolve import resolve_model
+from engine.orchestrator.evaluate import play, rows, summarize, summary_document, write_eval
+from engine.orchestrator.loop import Orchestrator
+from engine.run import local_run_dir, run_store
+from engine.trainer.metrics import write_metrics
+from storage.commit import latest_committed_step
+from storage.layout import RunLayout
+from storage.store import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+#: Where SFT checkpoints live below the run root (the trainer's `stage_store`).
+SFT_PREFIX = "sft"
+
+
+def load_tokenizer(config: PrimeflowConfig) -> Any:
+    """The policy's tokenizer: it renders every chat template the rollouts are made from."""
+    name = config.orchestrator.model or config.model.name
+    return AutoTokenizer.from_pretrained(
+        resolve_model(name),
+        revision=config.model.revision,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+
+
+@contextlib.contextmanager
+def policy_pool(config: PrimeflowConfig, pool: InferencePool | None) -> Iterator[InferencePool]:
+    """`pool` when given; else a pool started from `config.inference`, stopped on exit."""
+    if pool is not None:
+        yield pool
+        return
+    with InferencePool(
+        config.inference,
+        log_dir=local_run_dir(config) / RunLayout.LOGS,
+        revision=config.model.revision,
+    ) as started:
+        yield started
+
+
+def _check_async_bound(config: PrimeflowConfig) -> None:
+    """Fail early if the trainer would never commit a checkpoint the bound waits for."""
+    interval = config.trainer.checkpoint.interval
+    level = config.orchestrator.max_async_level
+    if interval > level + 1:
+        raise ValueError(
+            f"trainer.checkpoint.interval = {interval} with orchestrator.max_async_level = "
+            f"{level}: batch n needs policy n-1-{level}, which the trainer only commits when "
+            f"checkpoint.interval <= max_async_level + 1"
+        )
+
+
+def mix_entries(envs: list[EnvConfig], default: SamplingConfig) -> list[MixEntry]:
+    return [MixEntry(load_environment(env), env.ratio, env.sampling or default) for env in envs]
+
+
+def run_orchestrator(config: PrimeflowConfig, pool: InferencePool | None = None) -> int:
+    """Make and commit `rollouts/step_N` for every remaining RL step; 0 when all are done."""
+    _check_async_bound(config)
+    orchestrator_config = config.orchestrator
+    entries = mix_entries(orchestrator_config.envs, orchestrator_config.sampling)
+    tokenizer = load_tokenizer(config)
+    store = run_store(config)
+    with policy_pool(config, pool) as serving:
+
+        async def main() -> None:
+            async with InferenceClient.from_pool(
+                serving, max_concurrent=orchestrator_config.max_concurrent
+            ) as client:
+                await Orchestrator(
+                    orchestrator_config,
+                    store=store,
+                    sampler=client,
+                    server=serving,
+                    tokenizer=tokenizer,
+                    envs=entries,
+                    seed=config.run.seed,
+                ).run()
+
+        asyncio.run(main())
+    return 0
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """Where an evaluation was committed and its `summary.json` document."""
+
+    uri: str
+    summary: dict[str, Any]
+
+
+def _checkpoints_store(store: ObjectStore, stage: str) -> ObjectStore:
+    return store.child(SFT_PREFIX) if stage == "sft" else store
+
+
+def evaluate_policy(config: PrimeflowConfig, pool: InferencePool | None = None) -> EvalOutcome:
+    """Evaluate the configured checkpoint (or what a running `pool` serves) on held-out tasks."""
+    eval_config = config.eval
+    store = run_store(config)
+    checkpoints = _checkpoints_store(store, eval_config.stage)
+    entries = mix_entries(eval_config.envs, eval_config.sampling)
+    tokenizer = load_tokenizer(config)
+    name = eval_config.name or eval_config.stage
+    assert config.orchestrator.seq_len is not None
+    with policy_pool(config, pool) as serving:
+        step = eval_config.checkpoint_step
+        if step is None and pool is None:
+            step = latest_committed_step(checkpoints, RunLayout.CHECKPOINTS) or 0
+        if step is None:
+            step = serving.policy_version
+        elif step != serving.policy_version:
+            uri = checkpoints.url(RunLayout.checkpoint_dir(step))
+            serving.reload(uri, version=step)
+
+        async def main() -> tuple[list[dict], dict[str, dict]]:
+            async with InferenceClient.from_pool(
+                serving, max_concurrent=eval_config.max_concurrent
+            ) as client:
+                generator = TurnGenerator(
+                    client, ChatTokenizer(tokenizer), config.orchestrator.seq_len
+                )
+                return await _evaluate(config, entries, generator, tokenizer)
+
+        results, per_env = asyncio.run(main())
+    k = eval_config.rollouts_per_example
+    summary = summary_document(name, step, k, per_env)
+    uri = write_eval(store, name, step, results, summary)
+    flat = {key: value for key, value in summary.items() if isinstance(value, int | float)}
+    write_metrics(store, f"eval-{name}", step, flat)
+    logger.info("eval %s step %d: %s (%s)", name, step, flat, uri)
+    return EvalOutcome(uri=uri, summary=summary)
+
+
+async def _evaluate(
+    config: PrimeflowConfig, entries: list[MixEntry], generator: TurnGenerator, tokenizer: Any
+) -> tuple[list[dict], dict[str, dict]]:
+    eval_config = config.eval
+    k = eval_config.rollouts_per_example
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    results: list[dict] = []
+    per_env: dict[str, dict] = {}
+    for entry in entries:
+        threshold = (
+            eval_config.pass_threshold
+            if eval_config.pass_threshold is not None
+            else entry.env.pass_threshold
+        )
+        common = {
+            "num_examples": eval_config.num_examples,
+            "max_concurrent": eval_config.max_concurrent,
+            "threshold": threshold,
+        }
+        sampled = await play(entry.env, generator, entry.sampling, k=k, **common)
+        per_env[entry.env.name] = {**summarize(sampled, k), "pass_threshold": threshold}
+        results += rows(sampled, "sampled", entry.sampling, decode)
+        if eval_config.greedy:
+            greedy_sampling = entry.sampling.model_copy(update={"temperature": 0.0})
+            greedy = await play(entry.env, generator, greedy_sampling, k=1, **common)
+            per_env[entry.env.name]["greedy"] = summarize(greedy, 1)
+            results += rows(greedy, "greedy", greedy_sampling, decode)
+    return results, per_env
+
+
+def run_eval(config: PrimeflowConfig, pool: InferencePool | None = None) -> int:
+    """`primeflow eval`: evaluate and commit the results; 0 on success."""
+    evaluate_policy(config, pool)
+    return 0

@@ -1,0 +1,172 @@
+"""The orchestrator against a real vLLM CPU server: committed shards that are token-exact.
+
+Every row must decode to the chat-templated prompt followed by what the server sampled, carry one
+inference log-prob per sampled token, and mask exactly the sampled tokens; multi-turn rows keep
+the environment's turns in place, unmasked.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from engine.config import PrimeflowConfig
+from engine.config.orchestrator import EnvConfig
+from engine.envs import load_environment
+from engine.inference.pool import InferencePool
+from engine.orchestrator import run_orchestrator
+from engine.run import run_store
+from engine.trainer.metrics import read_metrics
+from storage.checkpoints import write_checkpoint
+from storage.commit import wait_for_step
+from storage.layout import RunLayout
+from storage.shards import read_rollouts
+
+pytestmark = pytest.mark.integration
+
+
+def spans(mask: list[bool]) -> list[tuple[int, int, bool]]:
+    """Runs of equal mask values as (start, end, value)."""
+    out: list[tuple[int, int, bool]] = []
+    start = 0
+    for index in range(1, len(mask) + 1):
+        if index == len(mask) or mask[index] != mask[start]:
+            out.append((start, index, mask[start]))
+            start = index
+    return out
+
+
+def check_token_columns(row: dict[str, Any]) -> None:
+    """One log-prob per sampled token, zero elsewhere; masks on sampled tokens only."""
+    ids, mask, logprobs = row["token_ids"], row["loss_mask"], row["logprobs"]
+    assert len(ids) == len(mask) == len(logprobs)
+    assert not mask[0] and any(mask)
+    for sampled, logprob in zip(mask, logprobs, strict=True):
+        assert logprob <= 0.0
+        if not sampled:
+            assert logprob == 0.0
+
+
+def rows_of(config: PrimeflowConfig, step: int) -> list[dict[str, Any]]:
+    return read_rollouts(run_store(config), step).to_pylist()
+
+
+def test_reverse_text_steps_commit_token_exact_shards(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
+) -> None:
+    env_config = EnvConfig(id="reverse-text", args={"num_train_examples": 64})
+    config = make_config(max_steps=3, orchestrator={"envs": [env_config], "max_async_level": 2})
+    assert run_orchestrator(config, pool) == 0
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tasks = load_environment(env_config).tasks("train")
+    for step in (1, 2, 3):
+        rows = rows_of(config, step)
+        assert len(rows) >= 8
+        groups: dict[int, list[dict]] = {}
+        for row in rows:
+            groups.setdefault(row["group_id"], []).append(row)
+            assert (row["step"], row["env"], row["policy_version"]) == (step, "reverse-text", 0)
+            check_token_columns(row)
+            (_, (completion_start, end, sampled)) = spans(row["loss_mask"])
+            assert sampled and end == len(row["token_ids"])  # one turn: prompt, then samples
+            expected_prompt = tokenizer.apply_chat_template(
+                tasks[row["example_id"]].prompt, add_generation_prompt=True, tokenize=False
+            )
+            ids = row["token_ids"]
+            assert tokenizer.decode(ids[:completion_start]) == expected_prompt
+            assert row["prompt_text"] + row["completion_text"] == tokenizer.decode(ids)
+            assert row["temperature"] == 1.0
+            truncated = len(ids) - completion_start == 24 and ids[-1] != tokenizer.eos_token_id
+            assert row["is_truncated"] == truncated
+        for members in groups.values():
+            assert len(members) == 4 and len({m["example_id"] for m in members}) == 1
+            assert abs(sum(m["advantage"] for m in members)) < 1e-5
+    lines = read_metrics(run_store(config), "orchestrator")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert line["samples"] >= 8 and line["throughput/samples_per_s"] > 0
+        assert 0.0 <= line["reward/reverse-text/mean"] <= 1.0
+        assert line["count/stale/async_bound"] == 0
+
+
+def test_multi_turn_alphabet_sort_keeps_environment_turns_unmasked(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
+) -> None:
+    env_config = EnvConfig(id="alphabet-sort", args={"num_train_examples": 32, "num_turns": 2})
+    config = make_config(orchestrator={"envs": [env_config], "max_async_level": 1})
+    assert run_orchestrator(config, pool) == 0
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tasks = load_environment(env_config).tasks("train")
+    for step in (1, 2):
+        for row in rows_of(config, step):
+            check_token_columns(row)
+            ids = row["token_ids"]
+            runs = spans(row["loss_mask"])
+            # prompt, turn 1, the environment's reply, turn 2
+            assert [sampled for _, _, sampled in runs] == [False, True, False, True]
+            (_, first, _), _, (reply_start, reply_end, _), _ = runs
+            first_prompt = tokenizer.apply_chat_template(
+                tasks[row["example_id"]].prompt, add_generation_prompt=True, tokenize=False
+            )
+            assert tokenizer.decode(ids[:first]) == first_prompt
+            reply = tokenizer.decode(ids[reply_start:reply_end])
+            assert "<|im_start|>user\nAdd these names" in reply
+            assert reply.endswith("<|im_end|>\n<|im_start|>assistant\n")
+            assert set(dict(row["metrics"])) >= {"turn_1_similarity", "turn_2_similarity"}
+    metrics = read_metrics(run_store(config), "orchestrator")
+    assert all(line["count/splits"] == 0 for line in metrics)
+
+
+def test_a_classic_env_from_a_test_module_runs_and_its_failures_are_skipped(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig]
+) -> None:
+    flaky = EnvConfig(id="tests.unit.envs.flaky_env", args={"num_examples": 6, "fail_on": [1, 3]})
+    config = make_config(orchestrator={"envs": [flaky], "max_async_level": 1})
+    assert run_orchestrator(config, pool) == 0
+
+    rows = rows_of(config, 1) + rows_of(config, 2)
+    assert rows and {row["example_id"] for row in rows} <= {0, 2, 4, 5}
+    metrics = read_metrics(run_store(config), "orchestrator")
+    assert sum(line["count/skipped/env_error"] for line in metrics) >= 4
+
+
+def _commit_checkpoint_after_rollouts(config: PrimeflowConfig, model: Path, step: int) -> None:
+    """Stand in for the trainer: once `rollouts/step` is committed, commit `checkpoints/step`."""
+    store = run_store(config)
+    wait_for_step(store, RunLayout.ROLLOUTS, step, timeout_s=120)
+    files = {
+        name: (model / name).read_bytes()
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    }
+    write_checkpoint(
+        store,
+        step,
+        weights=load_file(model / "model.safetensors"),
+        config=json.loads((model / "config.json").read_text()),
+        files=files,
+    )
+
+
+def test_synchronous_bound_waits_for_and_loads_the_next_checkpoint(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
+) -> None:
+    config = make_config(orchestrator={"max_async_level": 0})
+    trainer = threading.Thread(
+        target=_commit_checkpoint_after_rollouts, args=(config, tiny_model, 1)
+    )
+    trainer.start()
+    assert run_orchestrator(config, pool) == 0
+    trainer.join()
+
+    assert {row["policy_version"] for row in rows_of(config, 1)} == {0}
+    assert {row["policy_version"] for row in rows_of(config, 2)} == {1}
+    assert pool.policy_version == 1
