@@ -43,10 +43,18 @@ def test_rows_are_split_into_ordered_shards(store: ObjectStore) -> None:
     assert read_rollouts(store, 3).equals(table)
 
 
-@pytest.mark.parametrize("compression", ["lz4", "zstd", None])
+@pytest.mark.parametrize("compression", ["auto", "lz4", "zstd", None])
 def test_every_compression_reads_back(memory_store: ObjectStore, compression: str | None) -> None:
     write_rollouts(memory_store, 3, rows(5), compression=compression)  # type: ignore[arg-type]
     assert read_rollouts(memory_store, 3).num_rows == 5
+
+
+def test_auto_compression_leaves_local_shards_uncompressed(store: ObjectStore) -> None:
+    auto = write_rollouts(store, 1, rows(20, step=1))
+    plain = write_rollouts(store, 2, rows(20, step=2), compression=None)
+    zstd = write_rollouts(store, 3, rows(20, step=3), compression="zstd")
+    assert auto.files["shard-00000.arrow"].size == plain.files["shard-00000.arrow"].size
+    assert zstd.files["shard-00000.arrow"].size < plain.files["shard-00000.arrow"].size
 
 
 def test_unknown_compression_is_refused(memory_store: ObjectStore) -> None:
