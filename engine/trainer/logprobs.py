@@ -29,9 +29,37 @@ def chunk_size(num_tokens: int, vocab_size: int, chunk_elements: int = CHUNK_ELE
     return max(1, min(num_tokens, chunk_elements // vocab_size))
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor) -> Tensor:
-    """[t, V] fp32 tempered logits of a chunk: (h Wᵀ) / τ."""
-    return (hidden @ weight.t()).float() * inv_temp[:, None]
+def _stats(logits: Tensor, targets: Tensor, inv_temp: Tensor) -> tuple[Tensor, Tensor]:
+    """logits [t, V] (h Wᵀ) → log p(target) [t] and entropy [t] of softmax(logits / τ)."""
+    z = logits.float() * inv_temp[:, None]
+    lse = torch.logsumexp(z, dim=-1)
+    target = z.gather(1, targets[:, None]).squeeze(1)
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return target - lse, entropy
+
+
+def _grad_logits(logits: Tensor, targets: Tensor, inv_temp: Tensor, grad: Tensor) -> Tensor:
+    """d Σ grad·log p(target) / d logits, [t, V] in the logits' dtype.
+
+    d log p_y / d z = onehot(y) − softmax(z), and z = logits / τ.
+    """
+    z = logits.float() * inv_temp[:, None]
+    vocab = torch.arange(z.shape[1], device=z.device)
+    onehot = (vocab[None, :] == targets[:, None]).float()
+    return ((onehot - torch.softmax(z, dim=-1)) * (grad * inv_temp)[:, None]).to(logits.dtype)
+
+
+# On GPU the element-wise math over [t, V] runs as fused kernels: one or two passes over the
+# bf16 logits instead of ~10 passes over fp32 copies, which is most of the LM head's cost.
+_FUSED: dict[str, object] = {}
+
+
+def _fused(name: str, fn: object, device: torch.device) -> object:
+    if device.type != "cuda":
+        return fn
+    if name not in _FUSED:
+        _FUSED[name] = torch.compile(fn, dynamic=False)
+    return _FUSED[name]
 
 
 class _TargetLogProbs(torch.autograd.Function):
@@ -44,14 +72,13 @@ class _TargetLogProbs(torch.autograd.Function):
         num_tokens = hidden.shape[0]
         logprobs = hidden.new_empty(num_tokens, dtype=torch.float32)
         entropy = hidden.new_empty(num_tokens, dtype=torch.float32)
+        stats = _fused("stats", _stats, hidden.device)
         for start in range(0, num_tokens, chunk):
             end = min(start + chunk, num_tokens)
-            logits = _chunk_logits(hidden[start:end], weight, inv_temp[start:end])
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)
-            logprobs[start:end] = target_logits - lse
-            probs = torch.softmax(logits, dim=-1)
-            entropy[start:end] = lse - (probs * logits).sum(-1)
+            logits = hidden[start:end] @ weight.t()
+            logprobs[start:end], entropy[start:end] = stats(  # type: ignore[operator]
+                logits, targets[start:end], inv_temp[start:end]
+            )
         ctx.save_for_backward(hidden, weight, targets, inv_temp)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy)
@@ -64,16 +91,13 @@ class _TargetLogProbs(torch.autograd.Function):
         hidden, weight, targets, inv_temp = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_fn = _fused("grad", _grad_logits, hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:end], weight, inv_temp[start:end])
-            # d log p_y / d z = onehot(y) − softmax(z), and z = (h Wᵀ) / τ.
-            grad_logits = torch.softmax(logits, dim=-1).neg_()
-            grad_logits.scatter_add_(
-                1, targets[start:end, None], torch.ones_like(grad_logits[:, :1])
+            logits = hidden[start:end] @ weight.t()
+            grad_logits = grad_fn(  # type: ignore[operator]
+                logits, targets[start:end], inv_temp[start:end], grad_logprobs[start:end]
             )
-            grad_logits.mul_((grad_logprobs[start:end] * inv_temp[start:end])[:, None])
-            grad_logits = grad_logits.to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
             # Low-precision matmul (fp32 accumulate inside), chunk partial sums added in fp32.
             grad_weight += (grad_logits.t() @ hidden[start:end]).float()

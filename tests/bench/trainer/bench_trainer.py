@@ -3,7 +3,8 @@
     python -m tests.bench.trainer.bench_trainer                       # one GPU, all variants
     torchrun --nproc-per-node 2 -m tests.bench.trainer.bench_trainer --variants primeflow
 
-Every variant trains on 2 rows × 8192 tokens per GPU per step in bf16, after warm-up steps.
+Every variant trains on 2 rows × 8192 tokens per GPU per step in bf16, after warm-up steps,
+each in a fresh process (so no variant reuses another's compiled code or memory pool).
 MFU = tokens/s × (6·N + 6·L·H·d_head·S) ÷ (bf16 matmul peak measured in this run × GPUs).
 
 - `plain`: the baseline the issue defines: `model(input_ids, labels=input_ids)`, SDPA, AdamW,
@@ -11,7 +12,7 @@ MFU = tokens/s × (6·N + 6·L·H·d_head·S) ÷ (bf16 matmul peak measured in t
 - `primeflow`: the trainer's own path (FSDP2 with bf16 compute and fp32 masters and reduction,
   compiled blocks, chunked LM-head log-probs, fused AdamW) through `engine.trainer.step`, on
   rows that each hold one 8192-token document (the same attention work as `plain`).
-- `primeflow-fa2`: the same, with SDPA's default backend order instead of cuDNN first.
+- `primeflow-flash`: the same with SDPA forced to FlashAttention-2 (instead of cuDNN first).
 - `primeflow-eager`: the same without `torch.compile`.
 - `primeflow-packed`: rows packed from documents of 256-4096 tokens (FA2 varlen); real
   attention work is lower than the formula's, so its MFU is nominal.
@@ -20,17 +21,21 @@ MFU = tokens/s × (6·N + 6·L·H·d_head·S) ÷ (bf16 matmul peak measured in t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from engine.config.trainer import ConstantSchedulerConfig, OptimizerConfig
@@ -128,7 +133,7 @@ def documents(packed: bool, rank: int, step: int) -> list[Sample]:
 
 
 def primeflow(
-    dist: DistInfo, peak: float, *, compile: bool, packed: bool, priority: bool
+    dist: DistInfo, peak: float, *, compile: bool, packed: bool, backend: str | None = None
 ) -> dict[str, float]:
     """The trainer's step on this rank's rows; metrics are over all ranks."""
     options = ModelOptions(compute_dtype=torch.bfloat16, compile=compile)
@@ -145,8 +150,8 @@ def primeflow(
     optimizer = build_optimizer(policy, OptimizerConfig(lr=1e-5), dist.device)
     scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), WARMUP + STEPS)
     original: Callable[..., Any] = step_module.sdpa_priority
-    if not priority:
-        step_module.sdpa_priority = lambda device: contextlib.nullcontext()
+    if backend is not None:
+        step_module.sdpa_priority = lambda device: sdpa_kernel([SDPBackend[backend]])
     try:
         results = []
         for index in range(WARMUP + STEPS):
@@ -172,13 +177,43 @@ def primeflow(
     }
 
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
-    "primeflow": {"compile": True, "packed": False, "priority": True},
-    "primeflow-fa2": {"compile": True, "packed": False, "priority": False},
-    "primeflow-eager": {"compile": False, "packed": False, "priority": True},
-    "primeflow-packed": {"compile": True, "packed": True, "priority": True},
+    "primeflow": {"compile": True, "packed": False},
+    "primeflow-flash": {"compile": True, "packed": False, "backend": "FLASH_ATTENTION"},
+    "primeflow-eager": {"compile": False, "packed": False},
+    "primeflow-packed": {"compile": True, "packed": True},
 }
+
+
+def run_isolated(names: list[str]) -> dict[str, Any]:
+    """Each variant in its own process; their JSON results merged."""
+    merged: dict[str, Any] = {}
+    for name in names:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, "-m", __spec__.name, "--variants", name, "--json", out.name]
+            if subprocess.run(command).returncode == 0:
+                merged.update(json.loads(Path(out.name).read_text()))
+            else:
+                merged[name] = {"error": "process failed"}
+    return merged
+
+
+def print_table(results: dict[str, Any]) -> None:
+    base = results.get("plain", {}).get("tokens_per_second")
+    peak = results["bf16_peak_tflops"]
+    print(f"\n{results['gpus']} GPU(s) {results['device']}, bf16 peak {peak:.0f} TF/s")
+    print(f"{'variant':18} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs plain':>9}")
+    for name in VARIANTS:
+        r = results.get(name)
+        if not r or "error" in r:
+            print(f"{name:18} {'failed' if r else 'skipped'}")
+            continue
+        ratio = f"{r['tokens_per_second'] / base:.2f}x" if base else "-"
+        print(
+            f"{name:18} {r['tokens_per_second']:10.0f} {r['mfu']:6.1%} "
+            f"{r['peak_memory_gib']:9.1f} {ratio:>9}"
+        )
 
 
 def main() -> None:
@@ -186,6 +221,14 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default=None, help="write results here (rank 0)")
     args = parser.parse_args()
+    names = args.variants.split(",")
+    if len(names) > 1 and "WORLD_SIZE" not in os.environ:
+        results = run_isolated(names)
+        print_table(results)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=2)
+        return
     dist = init_distributed("nccl")
     peak = measure_bf16_peak(dist.device)
     attention_flops = flops_per_token(qwen3_0_6b(), 0, SEQ_LEN)  # N = 0: the attention term
@@ -196,14 +239,10 @@ def main() -> None:
         "varlen": attention_module.varlen_attn is not None,
         "bf16_peak_tflops": peak / 1e12,
     }
-    for name in args.variants.split(","):
+    for name in names:
         try:
-            if VARIANTS[name] is None:
-                if dist.world_size > 1:
-                    continue
-                result = plain_hf(dist.device)
-            else:
-                result = primeflow(dist, peak, **VARIANTS[name])
+            variant = VARIANTS[name]
+            result = plain_hf(dist.device) if variant is None else primeflow(dist, peak, **variant)
             per_token = attention_flops + 6 * result["num_parameters"]
             result["mfu"] = result["tokens_per_second"] * per_token / (peak * dist.world_size)
             results[name] = result
@@ -213,19 +252,7 @@ def main() -> None:
         if dist.is_main:
             print(name, json.dumps(results[name]), flush=True)
     if dist.is_main:
-        base = results.get("plain", {}).get("tokens_per_second")
-        print(f"\n{dist.world_size} GPU(s) {results['device']}, bf16 peak {peak / 1e12:.0f} TF/s")
-        print(f"{'variant':18} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs plain':>9}")
-        for name in VARIANTS:
-            r = results.get(name)
-            if not r or "error" in r:
-                print(f"{name:18} {'failed' if r else 'skipped'}")
-                continue
-            ratio = f"{r['tokens_per_second'] / base:.2f}x" if base else "-"
-            print(
-                f"{name:18} {r['tokens_per_second']:10.0f} {r['mfu']:6.1%} "
-                f"{r['peak_memory_gib']:9.1f} {ratio:>9}"
-            )
+        print_table(results)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(results, handle, indent=2)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The trainer's GPU runs on an H200 machine (see docs/benchmarks.md, "Trainer").
-#   bench: the 1-GPU benchmark (every variant), then primeflow on 2 GPUs (FSDP2 scaling)
+#   attention: attention kernels on the benchmark's shape
+#   bench: the 1-GPU benchmark (variants in $VARIANTS, default all), then primeflow on 2 GPUs
 #   tests: tests/gpu (2-GPU NCCL equivalence, bf16 + compile, FA2 varlen)
 # Logs and JSON go to ${OUT:-/tmp/primeflow-bench}.
 set -uo pipefail
@@ -10,9 +11,12 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="${PYTHONPATH:
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'GPUs')"
 for stage in "$@"; do
   case "$stage" in
+    attention)
+      CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m tests.bench.trainer.bench_attention 2>&1 | tee "$OUT/attention.log" ;;
     bench)
       CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m tests.bench.trainer.bench_trainer \
-        --json "$OUT/bench_1gpu.json" 2>&1 | tee "$OUT/bench_1gpu.log" | grep -v -i warn
+        ${VARIANTS:+--variants "$VARIANTS"} --json "$OUT/bench_1gpu.json" 2>&1 \
+        | tee "$OUT/bench_1gpu.log" | grep -v -i warn | tail -12
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         timeout 180 torchrun --standalone --nproc-per-node 2 -m tests.bench.trainer.bench_trainer \
           --variants primeflow --json "$OUT/bench_2gpu.json" 2>&1 | tee "$OUT/bench_2gpu.log" \
