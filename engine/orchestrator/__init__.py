@@ -1,5 +1,5 @@
-"""The orchestrator: rollouts → scored groups → advantages, filters, async bound → shards; eval."""
+"""The orchestrator: rollouts → scored groups → advantages, filters, async bound → shards; eval.
 
-from engine.orchestrator.main import EvalOutcome, evaluate_policy, run_eval, run_orchestrator
-
-__all__ = ["EvalOutcome", "evaluate_policy", "run_eval", "run_orchestrator"]
+Entry points live in `engine.orchestrator.main` (`run_orchestrator`, `run_eval`,
+`evaluate_policy`); this package file imports nothing so the pure parts load fast.
+"""

@@ -21,7 +21,7 @@ from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig
 from engine.envs import load_environment
 from engine.inference.pool import InferencePool
-from engine.orchestrator import run_orchestrator
+from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
 from engine.trainer.metrics import read_metrics
 from storage.checkpoints import write_checkpoint
