@@ -1,0 +1,156 @@
+"""Checkpoints become local folders (remote ones fetched and verified once) and are checked
+against the served model before any server is touched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from engine.inference.checkpoints import (
+    CheckpointError,
+    check_compatible,
+    checkpoint_step,
+    local_checkpoint,
+)
+from engine.inference.reload_ext import read_signature, signature_mismatch
+from engine.models.tiny import TinyModelSpec, write_tiny_model
+from storage.commit import MARKER, commit_step
+from storage.errors import CorruptObjectError, NotCommittedError
+from storage.store import ObjectStore
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "tied": write_tiny_model(root / "tied"),
+        "tied_other": write_tiny_model(root / "tied_other", TinyModelSpec(seed=3)),
+        "untied": write_tiny_model(root / "untied", TinyModelSpec(tie_word_embeddings=False)),
+        "wide": write_tiny_model(root / "wide", TinyModelSpec(hidden_size=192)),
+        "deep": write_tiny_model(root / "deep", TinyModelSpec(num_layers=3)),
+    }
+
+
+def upload(store: ObjectStore, folder: Path, step_dir: str, step: int) -> None:
+    for path in sorted(folder.iterdir()):
+        store.upload_file(path, f"{step_dir}/{path.name}")
+    commit_step(store, step_dir, [p.name for p in sorted(folder.iterdir())], step=step)
+
+
+def test_step_comes_from_the_folder_name() -> None:
+    assert checkpoint_step("s3://b/run/checkpoints/step_000042") == 42
+    assert checkpoint_step("/runs/x/checkpoints/step_000007/") == 7
+    assert checkpoint_step("/models/base") is None
+
+
+def test_local_paths_are_used_where_they_lie(models: dict[str, Path], tmp_path: Path) -> None:
+    assert local_checkpoint(models["tied"], tmp_path) == models["tied"].resolve()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        local_checkpoint(tmp_path / "nope", tmp_path)
+
+
+def test_file_uris_must_be_committed(models: dict[str, Path], tmp_path: Path) -> None:
+    folder = shutil.copytree(models["tied"], tmp_path / "step_000001")
+    with pytest.raises(CheckpointError, match="not committed"):
+        local_checkpoint(f"file://{folder}", tmp_path)
+    (folder / MARKER).write_text("{}")
+    assert local_checkpoint(f"file://{folder}", tmp_path) == folder
+
+
+def test_remote_checkpoints_are_fetched_once_and_verified(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    run = f"memory://ckpt-{uuid.uuid4().hex}/run"
+    store = ObjectStore(run)
+    upload(store, models["tied_other"], "checkpoints/step_000005", step=5)
+    uri = f"{run}/checkpoints/step_000005"
+
+    local = local_checkpoint(uri, tmp_path)
+    for path in models["tied_other"].iterdir():
+        assert (local / path.name).read_bytes() == path.read_bytes()
+    stamp = (local / "model.safetensors").stat().st_mtime_ns
+    assert local_checkpoint(uri, tmp_path) == local  # cached: not downloaded again
+    assert (local / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_remote_corruption_and_missing_commits_are_refused(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    run = f"memory://ckpt-{uuid.uuid4().hex}/run"
+    store = ObjectStore(run)
+    upload(store, models["tied"], "checkpoints/step_000001", step=1)
+    store.write_bytes("checkpoints/step_000001/model.safetensors", b"tampered")
+    with pytest.raises(CorruptObjectError):
+        local_checkpoint(f"{run}/checkpoints/step_000001", tmp_path)
+    store.upload_file(models["tied"] / "config.json", "checkpoints/step_000002/config.json")
+    with pytest.raises(NotCommittedError):
+        local_checkpoint(f"{run}/checkpoints/step_000002", tmp_path)
+    assert not list((tmp_path / "checkpoints").iterdir())  # nothing half-fetched is left
+
+
+def test_signature_lists_every_tensor_and_shape(models: dict[str, Path]) -> None:
+    signature = read_signature(models["tied"])
+    assert signature["model.embed_tokens.weight"] == (101, 128)
+    assert signature["model.layers.1.mlp.down_proj.weight"] == (128, 384)
+    assert "lm_head.weight" not in signature
+    assert "lm_head.weight" in read_signature(models["untied"])
+
+
+def test_sharded_checkpoints_follow_their_index(models: dict[str, Path], tmp_path: Path) -> None:
+    folder = shutil.copytree(models["tied"], tmp_path / "sharded")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "stray.safetensors").write_bytes(b"not listed in the index, never read")
+    index = {
+        "weight_map": dict.fromkeys(
+            read_signature(models["tied"]), "model-00001-of-00001.safetensors"
+        )
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert read_signature(folder) == read_signature(models["tied"])
+
+
+def test_truncated_and_missing_weights_are_reported(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = shutil.copytree(models["tied"], tmp_path / "cut")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        read_signature(folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        read_signature(folder)
+
+
+def test_compatible_checkpoints_pass(models: dict[str, Path]) -> None:
+    check_compatible(models["tied"], models["tied_other"])
+
+
+@pytest.mark.parametrize(
+    ("served", "checkpoint", "message"),
+    [
+        ("tied", "wide", "has shape [101, 192], expected [101, 128]"),
+        ("tied", "deep", "unexpected tensors (first: model.layers.2."),
+        ("untied", "tied", "missing 1 tensors (first: lm_head.weight)"),
+    ],
+)
+def test_incompatible_checkpoints_are_refused(
+    models: dict[str, Path], served: str, checkpoint: str, message: str
+) -> None:
+    with pytest.raises(CheckpointError, match="does not fit the served model") as error:
+        check_compatible(models[served], models[checkpoint])
+    assert message in str(error.value)
+
+
+def test_a_tied_head_may_be_stored_or_not() -> None:
+    base = {"model.embed_tokens.weight": (10, 4)}
+    with_head = {**base, "lm_head.weight": (10, 4)}
+    assert signature_mismatch(base, with_head, tied=True) is None
+    assert signature_mismatch(with_head, base, tied=True) is None
+    assert "missing 1 tensors (first: lm_head.weight)" in str(
+        signature_mismatch(with_head, base, tied=False)
+    )
