@@ -1,9 +1,10 @@
 """Committed checkpoints as local folders the servers can read, and whether they fit the model.
 
 vLLM workers load weights from a local path. A checkpoint named by a remote URI (`s3://...`,
-`gs://...`, `memory://...`) is downloaded once into a cache folder named by the URI's hash,
-every file verified against the step's `_COMMITTED` marker, and renamed into place whole; a
-`file://` URI or a bare path is used where it lies.
+`gs://...`, `memory://...`) is fetched with the storage layer's `fetch_checkpoint` (every file
+verified against the step's `_COMMITTED` marker, trainer state left behind, the folder swapped
+in whole) into a cache folder named by the URI's hash; a `file://` URI or a bare path is used
+where it lies.
 """
 
 from __future__ import annotations
@@ -11,15 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from engine.inference.reload_ext import read_signature, signature_mismatch
 from storage.backends import split_uri
-from storage.commit import MARKER, read_commit, read_verified
+from storage.checkpoints import fetch_checkpoint
+from storage.commit import MARKER
 from storage.layout import RunLayout
-from storage.paths import join
 from storage.store import ObjectStore
 
 
@@ -33,28 +32,16 @@ def checkpoint_step(location: str) -> int | None:
 
 
 def _fetch(uri: str, cache_dir: Path) -> Path:
-    """Download the committed step folder at `uri` into the cache (once), verified."""
+    """Download the committed checkpoint at `uri` into the cache (reused when already there)."""
+    root, _, step_name = uri.rstrip("/").rpartition(f"/{RunLayout.CHECKPOINTS}/")
+    step = RunLayout.parse_step(step_name)
+    if not root or step is None:
+        raise CheckpointError(
+            f"remote checkpoint {uri} must be <run root>/{RunLayout.CHECKPOINTS}/step_NNNNNN"
+        )
     target = cache_dir / "checkpoints" / hashlib.sha256(uri.encode()).hexdigest()[:16]
-    if (target / MARKER).is_file():
-        return target
-    parent_uri, _, name = uri.rstrip("/").rpartition("/")
-    store = ObjectStore(parent_uri)
-    record = read_commit(store, name)
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        for file, digest in sorted(record.files.items()):
-            local = scratch / file
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_bytes(read_verified(store, join(name, file), digest))
-        (scratch / MARKER).write_bytes(store.read_bytes(join(name, MARKER)))
-        os.replace(scratch, target)
-    except OSError:
-        if not (target / MARKER).is_file():
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return fetch_checkpoint(ObjectStore(root), step, target)
 
 
 def local_checkpoint(checkpoint: str | os.PathLike[str], cache_dir: Path) -> Path:

@@ -9,14 +9,19 @@ stale prefix cache would show up as wrong log-probs too.
 from __future__ import annotations
 
 import asyncio
+import json
+import uuid
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from engine.config.orchestrator import SamplingConfig
 from engine.inference.client import InferenceClient, Sample
 from engine.inference.pool import InferencePool, ReloadError
+from storage.checkpoints import write_checkpoint
+from storage.store import ObjectStore
 from tests.integration.inference.conftest import Weights
 from tests.integration.inference.reference import greedy, token_logprobs
 
@@ -67,6 +72,24 @@ def test_reload_serves_the_new_weights(base_pool: InferencePool, weights: Weight
     # And back: the base weights serve again, exactly.
     assert base_pool.reload(weights.base, version=0) == 0
     assert_serves(base_pool, weights.base, prompt, version=0)
+
+
+def test_reload_a_committed_checkpoint_by_uri(base_pool: InferencePool, weights: Weights) -> None:
+    """The trainer's contract: a step committed by `write_checkpoint`, named by its URI.
+
+    `memory://` stands in for a bucket: the pool fetches and verifies it into its cache.
+    """
+    run = f"memory://reload-{uuid.uuid4().hex}/run"
+    folder = weights.other
+    write_checkpoint(
+        ObjectStore(run),
+        3,
+        weights=load_file(folder / "model.safetensors"),
+        config=json.loads((folder / "config.json").read_text()),
+        files={"generation_config.json": (folder / "generation_config.json").read_bytes()},
+    )
+    assert base_pool.reload(f"{run}/checkpoints/step_000003") == 3
+    assert_serves(base_pool, weights.other, long_prompt(weights), version=3)
 
 
 @pytest.mark.parametrize(

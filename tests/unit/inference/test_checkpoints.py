@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from engine.inference.checkpoints import (
     CheckpointError,
@@ -18,9 +20,12 @@ from engine.inference.checkpoints import (
 )
 from engine.inference.reload_ext import read_signature, signature_mismatch
 from engine.models.tiny import TinyModelSpec, write_tiny_model
+from storage.checkpoints import write_checkpoint
 from storage.commit import MARKER, commit_step
 from storage.errors import CorruptObjectError, NotCommittedError
 from storage.store import ObjectStore
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +69,33 @@ def test_file_uris_must_be_committed(models: dict[str, Path], tmp_path: Path) ->
 def test_remote_checkpoints_are_fetched_once_and_verified(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
+    """A checkpoint as the trainer commits it: weights, config, tokenizer, trainer state."""
+    folder = models["tied_other"]
     run = f"memory://ckpt-{uuid.uuid4().hex}/run"
-    store = ObjectStore(run)
-    upload(store, models["tied_other"], "checkpoints/step_000005", step=5)
+    write_checkpoint(
+        ObjectStore(run),
+        5,
+        weights=load_file(folder / "model.safetensors"),
+        config=json.loads((folder / "config.json").read_text()),
+        files={name: (folder / name).read_bytes() for name in TOKENIZER_FILES},
+        trainer_state={"adam.exp_avg": torch.zeros(3)},
+    )
     uri = f"{run}/checkpoints/step_000005"
 
     local = local_checkpoint(uri, tmp_path)
-    for path in models["tied_other"].iterdir():
-        assert (local / path.name).read_bytes() == path.read_bytes()
-    stamp = (local / "model.safetensors").stat().st_mtime_ns
+    assert read_signature(local) == read_signature(folder)
+    assert not (local / "trainer").exists()  # inference needs no optimizer state
+    for name in TOKENIZER_FILES:
+        assert (local / name).read_bytes() == (folder / name).read_bytes()
+    check_compatible(models["tied"], local)
+    stamp = (local / "config.json").stat().st_mtime_ns
     assert local_checkpoint(uri, tmp_path) == local  # cached: not downloaded again
-    assert (local / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (local / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_remote_checkpoints_must_follow_the_run_layout(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="must be <run root>/checkpoints/step_NNNNNN"):
+        local_checkpoint("s3://bucket/models/latest", tmp_path)
 
 
 def test_remote_corruption_and_missing_commits_are_refused(
