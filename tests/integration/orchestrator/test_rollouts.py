@@ -170,3 +170,20 @@ def test_synchronous_bound_waits_for_and_loads_the_next_checkpoint(
     assert {row["policy_version"] for row in rows_of(config, 1)} == {0}
     assert {row["policy_version"] for row in rows_of(config, 2)} == {1}
     assert pool.policy_version == 1
+
+
+def test_a_restarted_run_continues_after_its_last_committed_step(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig]
+) -> None:
+    env_config = EnvConfig(id="reverse-text", args={"num_train_examples": 64})
+    first = make_config(max_steps=1, orchestrator={"envs": [env_config], "max_async_level": 3})
+    assert run_orchestrator(first, pool) == 0
+    again = first.model_copy(update={"max_steps": 2})
+    again.orchestrator.max_steps = 2
+    assert run_orchestrator(again, pool) == 0
+
+    step_one, step_two = rows_of(first, 1), rows_of(first, 2)
+    assert {row["step"] for row in step_two} == {2}
+    # The task order went on where it stopped: step 2 drew new examples, not step 1's again.
+    assert not {row["example_id"] for row in step_one} & {row["example_id"] for row in step_two}
+    assert [line["step"] for line in read_metrics(run_store(first), "orchestrator")] == [1, 2]
