@@ -57,6 +57,8 @@ def local_run_dir(config: PrimeflowConfig) -> Path:
 def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -> Run:
     """Open (or reopen, to resume) the run and record its manifest: config, versions, seeds."""
     store = run_store(config)
+    if store.exists(RunLayout.MANIFEST):  # a resumed run keeps the manifest it started with
+        return Run(config=config, store=store, layout=RunLayout())
     write_manifest(
         store,
         config=config.model_dump(mode="json"),

@@ -42,13 +42,6 @@ class Command:
     run_plain: PlainRunner | None = None
 
 
-def _not_built(what: str, issue: int) -> ConfigRunner:
-    def run(config: PrimeflowConfig, argv: list[str]) -> int:
-        raise NotBuiltError(f"{what} is not built yet (issue #{issue}); --dry-run works already")
-
-    return run
-
-
 def _plain_not_built(what: str, issue: int) -> PlainRunner:
     def run(argv: list[str], dry_run: bool) -> int:
         if dry_run:
@@ -59,18 +52,39 @@ def _plain_not_built(what: str, issue: int) -> PlainRunner:
     return run
 
 
-def _pipeline(config: PrimeflowConfig, argv: list[str]) -> int:
-    """Runs as far as the built stages go, then says what is missing."""
-    from engine.run import open_run
+def _flow_runner(name: str) -> ConfigRunner:
+    """Run flow `name` of `flows` against the local Prefect server (or PREFECT_API_URL)."""
 
-    run = open_run(config, command=["primeflow", "pipeline", *argv])
-    print(f"run root:  {run.store.url()}")
-    print(f"manifest:  {run.store.url(run.layout.MANIFEST)}")
-    raise NotBuiltError(
-        "the pipeline stops after creating the run: still missing are the inference pool (#3), "
-        "the trainer pool (#4), the orchestrator and environments (#5), the Prefect flows (#6) "
-        "and the reverse-text demo (#7)"
-    )
+    def run(config: PrimeflowConfig, argv: list[str]) -> int:
+        from flows import server
+
+        api_url = server.ensure_api_url()
+        print(f"Prefect UI: {api_url.removesuffix('/api')}", flush=True)
+        from flows.evaluate import evaluate
+        from flows.pipeline import post_train, rl, sft
+
+        flow = {"post-train": post_train, "sft": sft, "rl": rl, "evaluate": evaluate}[name]
+        try:
+            result = flow(config=config)
+        except Exception as exc:
+            print(f"primeflow: the {name} flow failed: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+
+    return run
+
+
+def _inference(config: PrimeflowConfig, argv: list[str]) -> int:
+    from engine.inference.serve import serve_forever
+
+    return serve_forever(config)
+
+
+def _trainer(config: PrimeflowConfig, argv: list[str]) -> int:
+    from engine.trainer.pool import run_trainer
+
+    return run_trainer(config, "rl")
 
 
 def _server(argv: list[str], dry_run: bool) -> int:
@@ -97,16 +111,14 @@ def _server(argv: list[str], dry_run: bool) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "pipeline": Command("SFT warm-up → async RL → evaluation (the main job)", run=_pipeline),
-    "sft": Command("the SFT warm-up stage alone", run=_not_built("the SFT stage", 4)),
-    "rl": Command("the async RL stage alone", run=_not_built("the RL stage", 5)),
-    "eval": Command("evaluate a checkpoint on eval splits", run=_not_built("evaluation", 5)),
-    "inference": Command(
-        "run an inference pool in the foreground", run=_not_built("the inference pool", 3)
+    "pipeline": Command(
+        "SFT warm-up → async RL → evaluation (the main job)", run=_flow_runner("post-train")
     ),
-    "trainer": Command(
-        "run a trainer pool in the foreground", run=_not_built("the trainer pool", 4)
-    ),
+    "sft": Command("the SFT warm-up stage alone", run=_flow_runner("sft")),
+    "rl": Command("the async RL stage alone", run=_flow_runner("rl")),
+    "eval": Command("evaluate the latest checkpoint on eval splits", run=_flow_runner("evaluate")),
+    "inference": Command("run an inference pool in the foreground", run=_inference),
+    "trainer": Command("run the RL trainer pool in the foreground", run=_trainer),
     "server": Command("start | stop | status the local Prefect server", run_plain=_server),
     "deploy": Command(
         "create the work pool and the deployments", run_plain=_plain_not_built("deploy", 6)

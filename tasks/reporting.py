@@ -21,12 +21,14 @@ from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import (
+    create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
 )
 from prefect.events import emit_event
 
+from engine.config import PrimeflowConfig
 from engine.trainer.metrics import METRICS_DIR
 from storage.commit import committed_steps
 from storage.layout import RunLayout
@@ -151,3 +153,56 @@ class StageMonitor:
             description=f"{self.stage}: the last {len(rows)} steps' metrics",
         )
         self._last_table_step = self.last_step
+
+
+def _number(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value if value is not None else "-")
+
+
+def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str:
+    """The run's closing summary: reward per policy, then where every output lives."""
+    root = results.get("root", "")
+    lines = [f"# primeflow run `{config.run.name}`", "", "## Reward on the held-out split", ""]
+    evals = [(key.removeprefix("eval_"), value) for key, value in results.items()]
+    evals = [
+        (name, value) for name, value in evals if isinstance(value, Mapping) and "uri" in value
+    ]
+    if evals:
+        k = config.eval.rollouts_per_example
+        lines += [
+            f"| policy | avg@{k} (sampled) | greedy avg@1 | pass@{k} | results |",
+            "|---|---|---|---|---|",
+        ]
+        for name, value in evals:
+            lines.append(
+                f"| {name} | {_number(value.get(f'avg@{k}'))} | "
+                f"{_number(value.get('greedy/avg@1'))} | {_number(value.get(f'pass@{k}'))} | "
+                f"`{value['uri']}` |"
+            )
+    lines += ["", "## Stages", ""]
+    for stage in ("sft", "rl"):
+        value = results.get(stage)
+        if isinstance(value, Mapping):
+            lines.append(
+                f"- **{stage}**: {value.get('last_step')} steps; last checkpoint "
+                f"`{value.get('checkpoint')}`"
+            )
+    lines += [
+        "",
+        "## Where the run lives",
+        "",
+        f"- run root: `{root}`",
+        f"- manifest: `{root}/{RunLayout.MANIFEST}`",
+        f"- rollout shards: `{root}/{RunLayout.ROLLOUTS}/`",
+        f"- checkpoints: `{root}/{RunLayout.CHECKPOINTS}/`",
+        f"- metrics: `{root}/{METRICS_DIR}/`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def publish_summary(config: PrimeflowConfig, results: Mapping[str, Any]) -> None:
+    create_markdown_artifact(
+        markdown=summary_markdown(config, results),
+        key=artifact_key(config.run.name, "summary"),
+        description=f"primeflow run {config.run.name}: rewards, stages and outputs",
+    )

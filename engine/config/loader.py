@@ -198,3 +198,25 @@ def load_config(args: Sequence[str], *, prog: str = "primeflow <command>") -> Pr
             raise ConfigError(format_validation_error(exc.__cause__, layers)) from None
         message = " ".join(exc.message.split())
         raise ConfigError(f"{COMMAND_LINE}: {message}") from None
+
+
+def with_overrides(config: PrimeflowConfig, overrides: Mapping[str, Any]) -> PrimeflowConfig:
+    """`config` with dotted-key overrides (`{"trainer.optim.lr": 1e-5}`), validated again.
+
+    Only what the user set is carried over, so shared fields keep filling the sections: an
+    override of `seq_len` reaches every section that did not set its own.
+    """
+    data = config.model_dump(exclude_unset=True)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.replace("-", "_").split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"overrides: {dotted}: {part} is not a section")
+        node[leaf] = value
+    try:
+        return PrimeflowConfig.model_validate(data)
+    except ValidationError as exc:
+        layers = [("overrides", [k.replace("-", "_") for k in overrides])]
+        raise ConfigError(format_validation_error(exc, layers)) from None

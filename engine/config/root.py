@@ -29,11 +29,14 @@ def _get(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def _set(obj: Any, dotted: str, value: Any) -> None:
+def _fill(obj: Any, dotted: str, value: Any) -> None:
+    """Set a field without marking it as set by the user, so a later override of the shared
+    field still reaches it."""
     *parents, leaf = dotted.split(".")
     for part in parents:
         obj = getattr(obj, part)
     setattr(obj, leaf, value)
+    obj.model_fields_set.discard(leaf)
 
 
 def _explicit(root: BaseConfig, dotted: str) -> bool:
@@ -78,7 +81,7 @@ class PrimeflowConfig(BaseConfig):
             for target in targets:
                 current = _get(self, target)
                 if current is None:
-                    _set(self, target, value)
+                    _fill(self, target, value)
                 elif stated and current != value:
                     raise ValueError(
                         f"{target} = {current!r} conflicts with the shared {shared} = {value!r}; "

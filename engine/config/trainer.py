@@ -145,6 +145,13 @@ class TrainerConfig(BaseConfig):
     seq_len: Annotated[
         int | None, Field(ge=16, description="Packed row length in tokens; filled from `seq_len`.")
     ] = None
+    init_checkpoint: Annotated[
+        str | None,
+        Field(
+            description="Committed checkpoint (path or URI) whose weights the stage starts from "
+            "instead of the model's; the pipeline sets it to the SFT result for RL."
+        ),
+    ] = None
     max_steps: Annotated[
         int | None, Field(ge=1, description="RL optimizer steps; filled from `max_steps`.")
     ] = None

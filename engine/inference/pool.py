@@ -105,6 +105,11 @@ class InferencePool:
         return self.config.model
 
     @property
+    def process_groups(self) -> dict[str, int]:
+        """`inference-<i>` → process group id of each running server, for supervisors."""
+        return {f"inference-{s.spec.index}": s.pgid for s in self._servers}
+
+    @property
     def policy_version(self) -> int:
         """The oldest policy any server serves (all equal between reloads)."""
         return min((e.policy_version for e in self.endpoints), default=0)

@@ -52,9 +52,12 @@ def torchrun_command(config: PrimeflowConfig, stage: Stage, config_path: Path) -
 class TrainerPool:
     """One node's share of the trainer: a torchrun process group."""
 
-    def __init__(self, config: PrimeflowConfig, stage: Stage) -> None:
+    def __init__(
+        self, config: PrimeflowConfig, stage: Stage, *, log_path: Path | None = None
+    ) -> None:
         self.config = config
         self.stage = stage
+        self.log_path = log_path
         self._tmp = tempfile.TemporaryDirectory(prefix="primeflow-trainer-")
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -72,11 +75,27 @@ class TrainerPool:
         env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
         if self.config.trainer.parallel.gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.config.trainer.parallel.gpu_ids))
-        self.process = subprocess.Popen(
-            torchrun_command(self.config, self.stage, config_path),
-            env=env,
-            start_new_session=True,
-        )
+        log = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = self.log_path.open("ab")
+        try:
+            self.process = subprocess.Popen(
+                torchrun_command(self.config, self.stage, config_path),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT if log is not None else None,
+                start_new_session=True,
+            )
+        finally:
+            if log is not None:
+                log.close()
+
+    def poll(self) -> int | None:
+        """torchrun's exit status, or None while it runs."""
+        if self.process is None:
+            raise RuntimeError("the pool has not been started")
+        return self.process.poll()
 
     def wait(self, timeout: float | None = None) -> int:
         if self.process is None:

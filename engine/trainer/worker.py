@@ -31,7 +31,9 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from engine.config import PrimeflowConfig
 from engine.config.trainer import OptimizerConfig, SchedulerConfig
+from engine.inference.checkpoints import local_checkpoint
 from engine.models import resolve_model
+from engine.models.tiny import default_cache_dir
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
@@ -184,7 +186,10 @@ def build_trainer(
         trust_remote_code=config.model.trust_remote_code,
         revision=config.model.revision,
     )
-    causal_lm = load_causal_lm(trainer_config.model, options)
+    weights = trainer_config.model
+    if trainer_config.init_checkpoint is not None:
+        weights = str(local_checkpoint(trainer_config.init_checkpoint, default_cache_dir()))
+    causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
     on_gpu = dist.device.type == "cuda"

@@ -46,7 +46,7 @@ def test_dry_run_works_for_commands_without_config(command: str, args: list[str]
     assert json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("command", ["sft", "rl", "eval", "inference", "trainer", "deploy"])
+@pytest.mark.parametrize("command", ["deploy", "reproduce"])
 def test_unbuilt_commands_say_so_and_fail(command: str, capsys) -> None:
     assert main([command]) == EXIT_NOT_BUILT
     assert "not built yet" in capsys.readouterr().err
@@ -102,14 +102,3 @@ def test_top_level_help_lists_the_commands() -> None:
     assert result.returncode == 0
     for command in COMMANDS:
         assert command in result.stdout
-
-
-def test_pipeline_creates_the_run_and_names_what_is_missing(tmp_path: Path) -> None:
-    result = primeflow(
-        "pipeline", "--storage.uri", f"file://{tmp_path}/runs", "--run.name", "smoke", cwd=tmp_path
-    )
-    assert result.returncode == EXIT_NOT_BUILT, result.stderr
-    manifest = json.loads((tmp_path / "runs" / "smoke" / "manifest.json").read_text())
-    assert manifest["config"]["run"]["name"] == "smoke"
-    assert "not built yet" not in result.stdout
-    assert "inference pool (#3)" in result.stderr

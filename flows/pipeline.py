@@ -1,0 +1,104 @@
+"""The flows: `post-train` (SFT → RL → eval, the main job), `sft` and `rl`.
+
+Thin on purpose: a flow opens the run, keeps the inference pool up across its stages, calls the
+stage tasks in order and reports. Every flow takes the whole `PrimeflowConfig` (so the Prefect
+UI draws it as a form and the server validates it) plus optional dotted `overrides`, which is
+what `prefect deployment run ... --param overrides='{"max_steps": 5}'` changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from engine.config import PrimeflowConfig, with_overrides
+from engine.run import open_run
+from tasks.hooks import config_of_run, kill_pools_on_exit
+from tasks.pools import inference_pool
+from tasks.reporting import publish_summary
+from tasks.stages import evaluate_checkpoint, rl_loop, sft_warmup
+
+
+def resolve(config: PrimeflowConfig, overrides: dict[str, Any] | None) -> PrimeflowConfig:
+    """Apply overrides; a run without a name takes its flow run's, so a retry resumes it."""
+    return config_of_run(
+        flow_run.flow_name, flow_run.name, {"config": config, "overrides": overrides}
+    )
+
+
+def flow_run_name() -> str:
+    """The config's run name when the user gave one, else Prefect's generated name."""
+    config = flow_run.parameters.get("config")
+    if isinstance(config, dict):
+        name = (config.get("run") or {}).get("name")
+    elif isinstance(config, PrimeflowConfig) and "name" in config.run.model_fields_set:
+        name = config.run.name
+    else:
+        name = None
+    return name or flow_run.name
+
+
+def with_init_checkpoint(config: PrimeflowConfig, uri: str | None) -> PrimeflowConfig:
+    """RL starts from the SFT result when there is one."""
+    return config if uri is None else with_overrides(config, {"trainer.init_checkpoint": uri})
+
+
+@flow(
+    name="post-train",
+    flow_run_name=flow_run_name,
+    on_cancellation=[kill_pools_on_exit],
+    on_crashed=[kill_pools_on_exit],
+)
+def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SFT warm-up → async RL → evaluation of base, SFT and RL policies on one held-out split."""
+    config = resolve(config, overrides)
+    run = open_run(config, command=["prefect", "post-train"])
+    logger = get_run_logger()
+    logger.info("run %s at %s", config.run.name, run.store.url())
+    results: dict[str, Any] = {"run": config.run.name, "root": run.store.url()}
+    with inference_pool(config) as pool:
+        results["eval_base"] = evaluate_checkpoint(config, pool, name="base")
+        sft_checkpoint = None
+        if config.sft.enabled:
+            results["sft"] = sft_warmup(config)
+            sft_checkpoint = results["sft"]["checkpoint"]
+            pool.reload(sft_checkpoint, version=0)
+            results["eval_sft"] = evaluate_checkpoint(config, pool, name="sft")
+        config = with_init_checkpoint(config, sft_checkpoint)
+        results["rl"] = rl_loop(config, pool)
+        results["eval_rl"] = evaluate_checkpoint(
+            config, pool, name="rl", step=results["rl"]["checkpoint_step"]
+        )
+    publish_summary(config, results)
+    return results
+
+
+@flow(
+    name="sft",
+    flow_run_name=flow_run_name,
+    on_cancellation=[kill_pools_on_exit],
+    on_crashed=[kill_pools_on_exit],
+)
+def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The SFT warm-up stage alone (no inference pool needed)."""
+    config = resolve(config, overrides)
+    open_run(config, command=["prefect", "sft"])
+    return sft_warmup(config)
+
+
+@flow(
+    name="rl",
+    flow_run_name=flow_run_name,
+    on_cancellation=[kill_pools_on_exit],
+    on_crashed=[kill_pools_on_exit],
+)
+def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The async RL stage alone, from `trainer.init_checkpoint` or the model itself."""
+    config = resolve(config, overrides)
+    open_run(config, command=["prefect", "rl"])
+    with inference_pool(config) as pool:
+        if config.trainer.init_checkpoint is not None:
+            pool.reload(config.trainer.init_checkpoint, version=0)
+        return rl_loop(config, pool)

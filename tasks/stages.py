@@ -1,0 +1,132 @@
+"""The stage tasks: each runs one stage to completion (or resumes it) and returns a summary.
+
+A stage task is idempotent: the engine resumes from the last committed step, so Prefect's
+retry of a task that failed half-way continues where it stopped instead of starting over.
+Results are small dicts (steps, URIs, headline numbers); nothing large or secret goes into
+Prefect.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from engine.config import PrimeflowConfig
+from engine.inference.pool import InferencePool
+from engine.orchestrator.main import evaluate_policy, run_orchestrator
+from engine.run import local_run_dir, run_store
+from engine.trainer.pool import Stage, TrainerPool
+from storage.commit import latest_committed_step
+from storage.layout import RunLayout
+from storage.paths import join
+from tasks.reporting import StageMonitor
+from tasks.supervision import forget_group, record_group
+
+#: Where each stage commits its checkpoints, below the run root.
+CHECKPOINT_PARENTS: dict[Stage, str] = {"sft": "sft/checkpoints", "rl": "checkpoints"}
+
+
+class StageFailedError(RuntimeError):
+    """A stage's process exited with an error; the message names its log."""
+
+
+def _start_trainer(config: PrimeflowConfig, stage: Stage) -> TrainerPool:
+    log_dir = local_run_dir(config) / RunLayout.LOGS
+    pool = TrainerPool(config, stage, log_path=log_dir / f"trainer-{stage}.log")
+    pool.start()
+    record_group(log_dir, f"trainer-{stage}", pool.pgid)
+    get_run_logger().info("%s: trainer pool started (log: %s)", stage, pool.log_path)
+    return pool
+
+
+def _finish_trainer(config: PrimeflowConfig, stage: Stage, pool: TrainerPool) -> None:
+    pool.stop()
+    forget_group(local_run_dir(config) / RunLayout.LOGS, f"trainer-{stage}")
+
+
+def _outcome(config: PrimeflowConfig, stage: Stage, last_step: int) -> dict[str, Any]:
+    store = run_store(config)
+    parent = CHECKPOINT_PARENTS[stage]
+    step = latest_committed_step(store, parent)
+    uri = store.url(join(parent, RunLayout.step_name(step))) if step is not None else None
+    get_run_logger().info("%s: done at step %d; checkpoint %s", stage, last_step, uri)
+    return {"stage": stage, "last_step": last_step, "checkpoint_step": step, "checkpoint": uri}
+
+
+def _monitor(config: PrimeflowConfig, stage: Stage, total_steps: int) -> StageMonitor:
+    return StageMonitor(
+        run_store(config),
+        config.run.name,
+        stage,
+        total_steps=total_steps,
+        checkpoint_parent=CHECKPOINT_PARENTS[stage],
+    )
+
+
+@task(name="sft-warmup", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def sft_warmup(config: PrimeflowConfig) -> dict[str, Any]:
+    """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+    with _monitor(config, "sft", config.sft.max_steps) as monitor:
+        pool = _start_trainer(config, "sft")
+        try:
+            code = pool.wait()
+        finally:
+            _finish_trainer(config, "sft", pool)
+    if code != 0:
+        raise StageFailedError(f"the SFT trainer exited with status {code}; see {pool.log_path}")
+    return _outcome(config, "sft", monitor.last_step)
+
+
+@task(name="rl-loop", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def rl_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
+    """The trainer pool consumes shards in the background while the orchestrator makes them.
+
+    The orchestrator runs on a thread so this task can notice a trainer that died: the
+    orchestrator would otherwise wait forever for the checkpoint the async bound needs.
+    """
+    assert config.trainer.max_steps is not None
+    failure: list[BaseException] = []
+
+    def orchestrate() -> None:
+        try:
+            run_orchestrator(config, pool)
+        except BaseException as exc:
+            failure.append(exc)
+
+    with _monitor(config, "rl", config.trainer.max_steps) as monitor:
+        trainer = _start_trainer(config, "rl")
+        orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
+        orchestrator.start()
+        try:
+            while orchestrator.is_alive() and trainer.poll() is None:
+                orchestrator.join(timeout=1.0)
+            if failure:
+                raise failure[0]
+            code = trainer.wait()
+        finally:
+            _finish_trainer(config, "rl", trainer)
+    if code != 0:
+        raise StageFailedError(f"the RL trainer exited with status {code}; see {trainer.log_path}")
+    return _outcome(config, "rl", monitor.last_step)
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def evaluate_checkpoint(
+    config: PrimeflowConfig,
+    pool: InferencePool | None,
+    *,
+    name: str,
+    stage: Stage = "rl",
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate what `pool` serves (step None) or a committed checkpoint of `stage`."""
+    eval_config = config.eval.model_copy(
+        update={"name": name, "stage": stage, "checkpoint_step": step}
+    )
+    outcome = evaluate_policy(config.model_copy(update={"eval": eval_config}), pool)
+    headline = {k: v for k, v in outcome.summary.items() if isinstance(v, int | float)}
+    get_run_logger().info("eval %s: %s", name, headline)
+    return {"name": name, "uri": outcome.uri, **headline}
