@@ -8,6 +8,7 @@ token sequence — several when a chat template rewrote history mid-conversation
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -100,7 +101,10 @@ def build_group(
                 detail,
             )
             continue
-        usable.append((rollout, assemble(rollout.turns)))
+        sequences = assemble(rollout.turns)
+        if rollout.context_exhausted:  # the conversation was cut off by the context, not ended
+            sequences[-1] = dataclasses.replace(sequences[-1], is_truncated=True)
+        usable.append((rollout, sequences))
     lengths = [sum(s.sampled_tokens for s in sequences) for _, sequences in usable]
     advantages = advantage_fn([r.reward for r, _ in usable], lengths)
     for (rollout, sequences), advantage, length in zip(usable, advantages, lengths, strict=True):

@@ -64,6 +64,12 @@ def test_a_split_rollout_becomes_several_samples_sharing_its_advantage() -> None
     assert built.samples[0].rollout_tokens == 2
 
 
+def test_a_conversation_cut_off_by_the_context_is_truncated() -> None:
+    cut = rollout(0.5, [turn((1, 2), (3,))], context_exhausted=True)
+    built = build_group([cut], group_id=0, temperature=1.0, advantage_fn=advantages)
+    assert [s.is_truncated for s in built.samples] == [True]
+
+
 def test_batches_close_on_whole_groups_and_count_what_they_left_out() -> None:
     builder = BatchBuilder(
         3,
