@@ -151,7 +151,7 @@ def primeflow(
     scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), WARMUP + STEPS)
     original: Callable[..., Any] = step_module.sdpa_priority
     if backend is not None:
-        step_module.sdpa_priority = lambda device: sdpa_kernel([SDPBackend[backend]])
+        step_module.sdpa_priority = lambda device: sdpa_kernel([getattr(SDPBackend, backend)])
     try:
         results = []
         for index in range(WARMUP + STEPS):
