@@ -31,28 +31,31 @@ def test_sft_learns_evaluates_and_resumes(tmp_path: Path, tiny_model_dir: Path) 
                 "model": {"name": str(tiny_model_dir)},
                 "storage": {"uri": f"file://{tmp_path}/runs"},
                 "seq_len": 128,
-                "trainer": {"micro_batch_tokens": 256, "checkpoint": {"interval": 10, "keep_last": 2}},
+                "trainer": {
+                    "micro_batch_tokens": 256,
+                    "checkpoint": {"interval": 5, "keep_last": 2},
+                },
                 "sft": {
                     "data": {"path": str(tmp_path / "data.jsonl"), "eval_fraction": 0.1},
                     "batch_size": 16,
                     "max_steps": max_steps,
-                    "eval_interval": 10,
+                    "eval_interval": 5,
                     "optim": {"lr": 3e-3, "weight_decay": 0.0},
                 },
             }
         )
 
-    run_stage(config(20), "sft")
-    run_stage(config(40), "sft")  # resumes at step 21 with the data position of step 20
-    run = open_run_store(config(40))
+    run_stage(config(10), "sft")
+    run_stage(config(20), "sft")  # resumes at step 11 with the data position of step 10
+    run = open_run_store(config(20))
     lines = read_metrics(run, "sft")
-    assert [line["step"] for line in lines] == list(range(1, 41))
-    assert lines[20]["epoch"] == 21 * 16 / 180
+    assert [line["step"] for line in lines] == list(range(1, 21))
+    assert lines[10]["epoch"] == 11 * 16 / 180
     evals = [line["eval_loss"] for line in lines if "eval_loss" in line]
-    assert len(evals) == 4  # steps 10, 20 (the first run's last), 30, 40
+    assert len(evals) == 4  # steps 5, 10 (the first run's last), 15, 20
     assert evals[-1] < 0.75 * evals[0], evals
     assert np.mean([x["loss"] for x in lines[-5:]]) < np.mean([x["loss"] for x in lines[:5]])
     sft = stage_store(run, "sft")
-    assert latest_checkpoint(sft) == 40
-    assert sft.list("checkpoints") == ["step_000030", "step_000040"]  # keep_last = 2
+    assert latest_checkpoint(sft) == 20
+    assert sft.list("checkpoints") == ["step_000015", "step_000020"]  # keep_last = 2
     assert not run.exists("checkpoints")  # RL's checkpoints are a separate series
