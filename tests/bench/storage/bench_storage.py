@@ -14,9 +14,11 @@ fetch), while transport, object count and object sizes are identical. A plain `s
 would measure a disk-to-disk copy, which moves each byte twice and no layer operation does.
 
 Files written on `file://` land in the page cache and are read back from it, for the layer and the
-baseline alike. Every case runs `--repeats` times (operation and baseline alternating order) and
-the medians are compared. The file name does not match pytest's `test_*.py`, so default test
-runs never collect it; name the file explicitly to run it under pytest.
+baseline alike. Every case runs `--repeats` times, operation and baseline back to back (their
+order alternating); the ratio is the median of the per-pair ratios, which cancels load that
+drifts during the run, and the MB/s columns are medians. `cpu ratio` is the same in this
+process's CPU time. The file name does not match pytest's `test_*.py`, so default test runs
+never collect it; name the file explicitly to run it under pytest.
 """
 
 from __future__ import annotations
@@ -90,13 +92,17 @@ class Case:
 
     @property
     def ratio(self) -> float:
-        return statistics.median(self.raw_s) / statistics.median(self.layer_s)
+        """Median over repeats of raw time / layer time, each pair run back to back.
+
+        Pairing cancels load that drifts over the run (other jobs on a shared machine)."""
+        return statistics.median(r / x for r, x in zip(self.raw_s, self.layer_s, strict=True))
 
     @property
     def cpu_ratio(self) -> float:
         """The same ratio in this process's CPU time: steadier when other work shares the
         machine, but blind to time spent in a server process or waiting on the disk."""
-        return statistics.median(self.raw.cpu_s) / statistics.median(self.layer.cpu_s)
+        pairs = zip(self.raw.cpu_s, self.layer.cpu_s, strict=True)
+        return statistics.median(r / x for r, x in pairs)
 
 
 def _timed(fn: Callable[[], object], timing: Timing) -> None:
