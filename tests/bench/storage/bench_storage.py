@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.bench.storage.bench_storage            # file:// and moto S3
     .venv/bin/python -m tests.bench.storage.bench_storage --backends file --profile
-    .venv/bin/python -m pytest -s tests/bench/storage/bench_storage.py
+    make bench        # every benchmark, this one through tests/bench/storage/test_bench_storage.py
 
 Each case times a storage-layer operation and a raw baseline through the same `ObjectStore`, then
 reports both in MB/s and their ratio (layer / raw; 1.0 means the layer adds nothing). The
@@ -17,8 +17,7 @@ Files written on `file://` land in the page cache and are read back from it, for
 baseline alike. Every case runs `--repeats` times, operation and baseline back to back (their
 order alternating); the ratio is the median of the per-pair ratios, which cancels load that
 drifts during the run, and the MB/s columns are medians. `cpu ratio` is the same in this
-process's CPU time. The file name does not match pytest's `test_*.py`, so default test runs
-never collect it; name the file explicitly to run it under pytest.
+process's CPU time. Default `pytest` runs never collect it: its testpaths leave out tests/bench.
 """
 
 from __future__ import annotations
@@ -357,12 +356,6 @@ def main(argv: list[str] | None = None) -> list[Case]:
         names = ", ".join(case.name for case in missed)
         print(f"below target on file://: {names} (rerun with --profile to see where time goes)")
     return cases
-
-
-def test_storage_benchmark() -> None:
-    """Run under pytest only when this file is named explicitly (pytest -s <this file>)."""
-    cases = main([])
-    assert cases, "the benchmark measured nothing"
 
 
 if __name__ == "__main__":
