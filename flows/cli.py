@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 
 from engine.config import ConfigError, PrimeflowConfig, load_config
+from flows.deploy import DeployError
 from flows.server import ServerError
 
 EXIT_FAILED = 1
@@ -87,6 +88,12 @@ def _trainer(config: PrimeflowConfig, argv: list[str]) -> int:
     return run_trainer(config, "rl")
 
 
+def _deploy(argv: list[str], dry_run: bool) -> int:
+    from flows.deploy import main as deploy_main
+
+    return deploy_main(argv, dry_run)
+
+
 def _server(argv: list[str], dry_run: bool) -> int:
     from flows import server
 
@@ -120,9 +127,7 @@ COMMANDS: dict[str, Command] = {
     "inference": Command("run an inference pool in the foreground", run=_inference),
     "trainer": Command("run the RL trainer pool in the foreground", run=_trainer),
     "server": Command("start | stop | status the local Prefect server", run_plain=_server),
-    "deploy": Command(
-        "create the work pool and the deployments", run_plain=_plain_not_built("deploy", 6)
-    ),
+    "deploy": Command("create the work pool and the deployments", run_plain=_deploy),
     "reproduce": Command(
         "re-run a run from its manifest URI", run_plain=_plain_not_built("reproduce", 6)
     ),
@@ -178,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotBuiltError as exc:
         print(f"primeflow {name}: {exc}", file=sys.stderr)
         return EXIT_NOT_BUILT
-    except ServerError as exc:
+    except (ServerError, DeployError) as exc:
         print(f"primeflow {name}: {exc}", file=sys.stderr)
         return EXIT_FAILED
 

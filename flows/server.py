@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,10 +54,11 @@ def prefect_home(home: Path | None = None) -> Path:
     return (home or primeflow_home()) / "prefect"
 
 
-def server_env(home: Path) -> dict[str, str]:
+def server_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of the server process: its own home and database, no telemetry."""
     return {
         **os.environ,
+        **(extra or {}),
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
@@ -118,6 +120,7 @@ def start(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     timeout_s: float = 90.0,
+    env: Mapping[str, str] | None = None,
 ) -> ServerState:
     """Start a server for `home`, or return the one already running there."""
     state = read_state(home)
@@ -146,7 +149,7 @@ def start(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(home),
+            env=server_env(home, env),
             start_new_session=True,
         )
     state = ServerState(pid=process.pid, host=host, port=port, started_at=time.time())

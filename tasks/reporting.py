@@ -44,15 +44,20 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
-def run_resource(run_name: str) -> dict[str, str]:
-    """The Prefect event resource that stands for one primeflow run."""
-    return {"prefect.resource.id": f"primeflow.run.{run_name}", "primeflow.run": run_name}
+def run_resource(run_name: str, stage: str) -> dict[str, str]:
+    """The Prefect event resource that stands for one stage of a primeflow run; triggers match
+    on its labels (`primeflow.stage: rl` picks RL checkpoints)."""
+    return {
+        "prefect.resource.id": f"primeflow.run.{run_name}",
+        "primeflow.run": run_name,
+        "primeflow.stage": stage,
+    }
 
 
 def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str) -> None:
     emit_event(
         CHECKPOINT_EVENT,
-        resource=run_resource(run_name),
+        resource=run_resource(run_name, stage),
         payload={"run": run_name, "stage": stage, "step": step, "uri": uri},
     )
 

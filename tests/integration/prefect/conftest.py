@@ -22,7 +22,9 @@ def _free_port() -> int:
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The API URL of a Prefect server that lives for the whole session."""
     home = Path(tmp_path_factory.mktemp("prefect-home"))
-    state = server.start(home, port=_free_port())
+    # The scheduler runs every second (default: a minute) so schedule tests see runs quickly.
+    fast = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
+    state = server.start(home, port=_free_port(), env=fast)
     try:
         with temporary_settings(updates={PREFECT_API_URL: state.api_url}):
             yield state.api_url

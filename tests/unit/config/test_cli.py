@@ -46,7 +46,7 @@ def test_dry_run_works_for_commands_without_config(command: str, args: list[str]
     assert json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("command", ["deploy", "reproduce"])
+@pytest.mark.parametrize("command", ["reproduce"])
 def test_unbuilt_commands_say_so_and_fail(command: str, capsys) -> None:
     assert main([command]) == EXIT_NOT_BUILT
     assert "not built yet" in capsys.readouterr().err
