@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -26,3 +29,24 @@ class CustomPluginConfig(BaseConfig):
     kwargs: Annotated[
         dict[str, Any], Field(description="Keyword arguments passed to it (JSON on the CLI).")
     ] = {}
+
+    def load(self, where: str) -> Callable[..., Any]:
+        """The callable at `import_path` with `kwargs` bound.
+
+        Errors name `where` (the config key) and what is missing, at start-up rather than at
+        the first step that would call it.
+        """
+        module_name, _, attribute = self.import_path.partition(":")
+        try:
+            target: Any = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"{where}.import_path: cannot import {module_name!r}: {exc}") from exc
+        for part in attribute.split("."):
+            if not hasattr(target, part):
+                raise ValueError(
+                    f"{where}.import_path: {module_name!r} has no attribute {attribute!r}"
+                )
+            target = getattr(target, part)
+        if not callable(target):
+            raise ValueError(f"{where}.import_path: {self.import_path!r} is not callable")
+        return functools.partial(target, **self.kwargs)

@@ -13,7 +13,6 @@ import math
 from collections.abc import Callable, Sequence
 
 from engine.config.orchestrator import AdvantageConfig, GroupRelativeAdvantageConfig
-from engine.orchestrator.plugins import load_plugin
 
 #: Added to the group std before dividing, so a near-constant group cannot blow up.
 STD_EPS = 1e-6
@@ -60,7 +59,7 @@ def build_advantage_fn(config: AdvantageConfig, max_tokens: int) -> AdvantageFn:
             )
 
         return builtin
-    custom = load_plugin(config, "orchestrator.advantage")
+    custom = config.load("orchestrator.advantage")
 
     def checked(rewards: Sequence[float], lengths: Sequence[int]) -> list[float]:
         values = [float(v) for v in custom(list(rewards), list(lengths))]

@@ -18,7 +18,6 @@ from engine.config.orchestrator import (
     FilterConfig,
     ZeroAdvantageFilterConfig,
 )
-from engine.orchestrator.plugins import load_plugin
 from engine.orchestrator.samples import TrainSample
 
 #: Advantages this close to zero are zero: a mean of equal floats can miss them by an ulp.
@@ -53,7 +52,7 @@ def build_filters(configs: Sequence[FilterConfig]) -> list[Filter]:
             filters.append(Filter("difficulty", difficulty))
         else:
             name = config.import_path.rpartition(":")[2]
-            filters.append(Filter(name, load_plugin(config, f"orchestrator.filters[{index}]")))
+            filters.append(Filter(name, config.load(f"orchestrator.filters[{index}]")))
     return filters
 
 

@@ -17,7 +17,6 @@ docs/algorithms.md derives them and says when to use which.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from engine.config.plugin import CustomPluginConfig
 from engine.config.trainer import AipoLossConfig, LossConfig, MaskedRatioLossConfig
 
 
@@ -114,28 +112,6 @@ def sft_loss(inputs: LossInputs) -> LossOutputs:
     return LossOutputs(token_loss=-inputs.logprobs)
 
 
-def load_custom_loss(config: CustomPluginConfig) -> LossFn:
-    """The callable at `config.import_path` ("package.module:attribute") bound to its kwargs.
-
-    It receives `LossInputs` and must return `LossOutputs`.
-    """
-    module_name, _, attribute = config.import_path.partition(":")
-    try:
-        target: object = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"trainer.loss.import_path: cannot import {module_name!r}: {exc}") from exc
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(
-                f"trainer.loss.import_path: {module_name!r} has no attribute {attribute!r}"
-            ) from None
-    if not callable(target):
-        raise ValueError(f"trainer.loss.import_path: {config.import_path!r} is not callable")
-    return partial(target, **config.kwargs)
-
-
 def build_loss(config: LossConfig) -> LossFn:
     """The RL loss the config selects."""
     if isinstance(config, AipoLossConfig):
@@ -147,7 +123,7 @@ def build_loss(config: LossConfig) -> LossFn:
             ratio_high=config.ratio_high,
             kl_coef=config.kl_coef,
         )
-    return load_custom_loss(config)
+    return config.load("trainer.loss")
 
 
 def masked_sums(outputs: LossOutputs, loss_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
