@@ -59,25 +59,12 @@ def policy_pool(config: PrimeflowConfig, pool: InferencePool | None) -> Iterator
         yield started
 
 
-def _check_async_bound(config: PrimeflowConfig) -> None:
-    """Fail early if the trainer would never commit a checkpoint the bound waits for."""
-    interval = config.trainer.checkpoint.interval
-    level = config.orchestrator.max_async_level
-    if interval > level + 1:
-        raise ValueError(
-            f"trainer.checkpoint.interval = {interval} with orchestrator.max_async_level = "
-            f"{level}: batch n needs policy n-1-{level}, which the trainer only commits when "
-            f"checkpoint.interval <= max_async_level + 1"
-        )
-
-
 def mix_entries(envs: list[EnvConfig], default: SamplingConfig) -> list[MixEntry]:
     return [MixEntry(load_environment(env), env.ratio, env.sampling or default) for env in envs]
 
 
 def run_orchestrator(config: PrimeflowConfig, pool: InferencePool | None = None) -> int:
     """Make and commit `rollouts/step_N` for every remaining RL step; 0 when all are done."""
-    _check_async_bound(config)
     orchestrator_config = config.orchestrator
     entries = mix_entries(orchestrator_config.envs, orchestrator_config.sampling)
     tokenizer = load_tokenizer(config)

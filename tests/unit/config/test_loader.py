@@ -166,3 +166,11 @@ def test_shipped_configs_resolve() -> None:
     assert files, "no shipped configs found"
     for file in files:
         load_config(["@", str(file)])
+
+
+def test_checkpoint_interval_must_keep_up_with_the_async_bound() -> None:
+    with pytest.raises(
+        ConfigError, match=r"checkpoint\.interval = 3 with orchestrator\.max_async_level = 1"
+    ):
+        load_config(["--trainer.checkpoint.interval", "3"])
+    assert load_config(["--trainer.checkpoint.interval", "2"]).trainer.checkpoint.interval == 2
