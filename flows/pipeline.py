@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 
 from engine.config import PrimeflowConfig, with_overrides
 from engine.run import open_run
+from storage.metrics import compact_metrics
 from tasks.hooks import config_of_run, kill_pools_on_exit
 from tasks.pools import inference_pool
 from tasks.reporting import publish_summary
@@ -71,6 +72,7 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
         results["eval_rl"] = evaluate_checkpoint(
             config, pool, name="rl", step=results["rl"]["checkpoint_step"]
         )
+    compact_metrics(run.store)
     publish_summary(config, results)
     return results
 
@@ -84,8 +86,10 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
 def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The SFT warm-up stage alone (no inference pool needed)."""
     config = resolve(config, overrides)
-    open_run(config, command=["prefect", "sft"])
-    return sft_warmup(config)
+    run = open_run(config, command=["prefect", "sft"])
+    result = sft_warmup(config)
+    compact_metrics(run.store)
+    return result
 
 
 @flow(
@@ -97,8 +101,10 @@ def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dic
 def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The async RL stage alone, from `trainer.init_checkpoint` or the model itself."""
     config = resolve(config, overrides)
-    open_run(config, command=["prefect", "rl"])
+    run = open_run(config, command=["prefect", "rl"])
     with inference_pool(config) as pool:
         if config.trainer.init_checkpoint is not None:
             pool.reload(config.trainer.init_checkpoint, version=0)
-        return rl_loop(config, pool)
+        result = rl_loop(config, pool)
+    compact_metrics(run.store)
+    return result

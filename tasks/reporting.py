@@ -29,9 +29,9 @@ from prefect.artifacts import (
 from prefect.events import emit_event
 
 from engine.config import PrimeflowConfig
-from engine.trainer.metrics import METRICS_DIR
 from storage.commit import committed_steps
 from storage.layout import RunLayout
+from storage.metrics import METRICS_DIR
 from storage.paths import join
 from storage.store import ObjectStore
 

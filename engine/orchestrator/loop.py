@@ -30,9 +30,9 @@ from engine.orchestrator.batch import BatchBuilder, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import Group, TrainSample, build_group
 from engine.orchestrator.step_metrics import step_metrics
-from engine.trainer.metrics import write_metrics
 from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
+from storage.metrics import write_metrics
 from storage.shards import write_rollouts
 from storage.store import ObjectStore
 

@@ -24,9 +24,9 @@ from engine.models.resolve import resolve_model
 from engine.orchestrator.evaluate import play, rows, summarize, summary_document, write_eval
 from engine.orchestrator.loop import Orchestrator
 from engine.run import local_run_dir, run_store
-from engine.trainer.metrics import write_metrics
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
+from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
 logger = logging.getLogger(__name__)

@@ -1,28 +1,10 @@
-"""Step metrics: FLOP accounting for MFU, the bf16 peak, and where metric lines are stored.
-
-**Storage.** Object stores cannot append, and `<run>/metrics.jsonl` has several writers (the
-trainer, the orchestrator, evaluation). Rank 0 therefore writes one immutable object per step,
-`<run>/metrics/<stage>/step_NNNNNN.jsonl`, holding that step's JSON line: one PUT per step on
-any backend, nothing to read back or rewrite, no two writers on one object, and a crash loses at
-most the line being written. `read_metrics` (or `cat <run>/metrics/*/*.jsonl` on a local run)
-gives the JSONL stream; a resumed run overwrites the lines of steps it repeats.
-"""
+"""Step metrics: FLOP accounting for MFU and the bf16 peak (lines are stored by
+`storage.metrics`)."""
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from transformers import PretrainedConfig
-
-from storage.layout import RunLayout
-from storage.paths import join
-from storage.store import ObjectStore
-
-METRICS_DIR = "metrics"
 
 
 def flops_per_token(config: PretrainedConfig, num_parameters: int, seq_len: int) -> float:
@@ -51,21 +33,3 @@ def measure_bf16_peak(device: torch.device, size: int = 8192, repeats: int = 10)
     torch.cuda.synchronize(device)
     seconds = start.elapsed_time(end) / 1000 / repeats
     return 2 * size**3 / seconds
-
-
-def metrics_path(stage: str, step: int) -> str:
-    return join(METRICS_DIR, stage, f"{RunLayout.step_name(step)}.jsonl")
-
-
-def write_metrics(store: ObjectStore, stage: str, step: int, values: Mapping[str, Any]) -> None:
-    """Store one step's metric line (call on rank 0 only)."""
-    line = {"stage": stage, "step": step, "time": time.time(), **values}
-    store.write_bytes(metrics_path(stage, step), (json.dumps(line, sort_keys=True) + "\n").encode())
-
-
-def read_metrics(store: ObjectStore, stage: str) -> list[dict[str, Any]]:
-    """Every stored line of `stage`, in step order."""
-    lines = []
-    for name in store.list(join(METRICS_DIR, stage)):
-        lines.append(json.loads(store.read_bytes(join(METRICS_DIR, stage, name))))
-    return sorted(lines, key=lambda line: line["step"])

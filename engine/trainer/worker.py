@@ -38,7 +38,7 @@ from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_ba
 from engine.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import LossFn, build_loss, sft_loss
-from engine.trainer.metrics import flops_per_token, measure_bf16_peak, write_metrics
+from engine.trainer.metrics import flops_per_token, measure_bf16_peak
 from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import PackedRows, Sample, pack_samples
@@ -48,6 +48,7 @@ from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
 from storage.layout import RunLayout, run_uri
+from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
 Stage = Literal["sft", "rl"]

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from engine.trainer.attention import document_kwargs, sdpa_priority, varlen_available
-from engine.trainer.metrics import read_metrics
 from engine.trainer.model import ModelOptions, PolicyModel, load_causal_lm
 from engine.trainer.packing import Sample, pack_samples
 from engine.trainer.pool import run_trainer
 from engine.trainer.worker import open_run_store
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
+from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps
 
 pytestmark = pytest.mark.gpu

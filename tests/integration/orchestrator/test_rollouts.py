@@ -23,10 +23,10 @@ from engine.envs import load_environment
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
-from engine.trainer.metrics import read_metrics
 from storage.checkpoints import write_checkpoint
 from storage.commit import wait_for_step
 from storage.layout import RunLayout
+from storage.metrics import read_metrics
 from storage.shards import read_rollouts
 
 pytestmark = pytest.mark.integration

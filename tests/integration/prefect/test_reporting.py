@@ -12,9 +12,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.events.filters import EventFilter, EventNameFilter
 
-from engine.trainer.metrics import write_metrics
 from storage.commit import commit_step, digest_bytes
 from storage.layout import RunLayout
+from storage.metrics import write_metrics
 from storage.store import ObjectStore
 from tasks.reporting import CHECKPOINT_EVENT, StageMonitor, artifact_key
 

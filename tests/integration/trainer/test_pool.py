@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.trainer.metrics import read_metrics
 from engine.trainer.pool import run_trainer
 from engine.trainer.worker import open_run_store
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
+from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps
 
 

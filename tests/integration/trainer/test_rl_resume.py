@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engine.trainer.metrics import read_metrics
 from engine.trainer.rollouts import RolloutDataError, samples_from_rollouts
 from engine.trainer.worker import open_run_store, run_stage
 from storage.checkpoints import fetch_checkpoint
 from storage.layout import RunLayout
+from storage.metrics import read_metrics
 from storage.shards import rows_to_table
 from tests.integration.trainer.conftest import make_config, rollout_rows, write_steps
 

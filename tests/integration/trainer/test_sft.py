@@ -9,8 +9,8 @@ import numpy as np
 
 from engine.config import PrimeflowConfig
 from engine.trainer.checkpoint import latest_checkpoint
-from engine.trainer.metrics import read_metrics
 from engine.trainer.worker import open_run_store, run_stage, stage_store
+from storage.metrics import read_metrics
 
 
 def write_data(path: Path, n: int) -> None:
