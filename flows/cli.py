@@ -57,7 +57,7 @@ def _flow_runner(name: str) -> ConfigRunner:
     """Run flow `name` of `flows` against the local Prefect server (or PREFECT_API_URL)."""
 
     def run(config: PrimeflowConfig, argv: list[str]) -> int:
-        from flows import server
+        from flows import server, summary
 
         api_url = server.ensure_api_url()
         print(f"Prefect UI: {api_url.removesuffix('/api')}", flush=True)
@@ -66,11 +66,24 @@ def _flow_runner(name: str) -> ConfigRunner:
 
         flow = {"post-train": post_train, "sft": sft, "rl": rl, "evaluate": evaluate}[name]
         try:
-            result = flow(config=config)
+            state = flow(config=config, return_state=True)
+            result = state.result()
         except Exception as exc:
             print(f"primeflow: the {name} flow failed: {exc}", file=sys.stderr)
             return EXIT_FAILED
-        print(json.dumps(result, indent=2, default=str))
+        ui_url = f"{api_url.removesuffix('/api')}/runs/flow-run/{state.state_details.flow_run_id}"
+        if name == "post-train":
+            print(
+                summary.render(
+                    result,
+                    k=config.eval.rollouts_per_example,
+                    temperature=config.eval.sampling.temperature,
+                    ui_url=ui_url,
+                )
+            )
+        else:
+            print(json.dumps(result, indent=2, default=str))
+            print(f"Prefect: {ui_url}")
         return 0
 
     return run

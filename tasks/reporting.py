@@ -27,6 +27,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.events import emit_event
+from tqdm import tqdm
 
 from engine.config import PrimeflowConfig
 from storage.commit import committed_steps
@@ -36,6 +37,8 @@ from storage.paths import join
 from storage.store import ObjectStore
 
 CHECKPOINT_EVENT = "primeflow.checkpoint.committed"
+#: Metrics shown beside a stage's progress bar, when the stage reports them.
+BAR_METRICS = ("loss", "reward/mean", "eval_loss")
 log = logging.getLogger(__name__)
 
 
@@ -81,12 +84,15 @@ class StageMonitor:
     _last_table_step: int = field(default=-1, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
+    _bar: tqdm | None = field(default=None, init=False)
 
     def __enter__(self) -> StageMonitor:
         key = artifact_key(self.run_name, self.stage, "progress")
         self._artifact = create_progress_artifact(
             progress=0.0, key=key, description=f"{self.stage}: steps done of {self.total_steps}"
         )
+        # A terminal progress bar when a person watches (tqdm stays silent off a TTY).
+        self._bar = tqdm(total=self.total_steps, desc=self.stage, unit="step", disable=None)
         # Checkpoints committed before this stage (a resumed run) are not news.
         self.checkpoints = set(committed_steps(self.store, self.checkpoint_parent))
         context = contextvars.copy_context()  # so artifacts attach to this flow/task run
@@ -105,6 +111,8 @@ class StageMonitor:
             self._thread.join(timeout=30)
         self.poll()
         self._write_table(force=True)
+        if self._bar is not None:
+            self._bar.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -120,6 +128,11 @@ class StageMonitor:
     def poll(self) -> None:
         """Read new metric lines and checkpoints; update the UI for what changed."""
         new_lines = self._read_new_lines()
+        if new_lines and self._bar is not None:
+            self._bar.update(self.last_step - self._bar.n)
+            latest = self.lines[self.last_step]
+            shown = {k: latest[k] for k in BAR_METRICS if isinstance(latest.get(k), int | float)}
+            self._bar.set_postfix(shown, refresh=False)
         if new_lines and self._artifact is not None:
             progress = min(100.0, 100.0 * self.last_step / max(self.total_steps, 1))
             update_progress_artifact(self._artifact, progress=progress)

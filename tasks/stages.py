@@ -9,6 +9,7 @@ Prefect.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -47,13 +48,21 @@ def _finish_trainer(config: PrimeflowConfig, stage: Stage, pool: TrainerPool) ->
     forget_group(local_run_dir(config) / RunLayout.LOGS, f"trainer-{stage}")
 
 
-def _outcome(config: PrimeflowConfig, stage: Stage, last_step: int) -> dict[str, Any]:
+def _outcome(
+    config: PrimeflowConfig, stage: Stage, last_step: int, seconds: float
+) -> dict[str, Any]:
     store = run_store(config)
     parent = CHECKPOINT_PARENTS[stage]
     step = latest_committed_step(store, parent)
     uri = store.url(join(parent, RunLayout.step_name(step))) if step is not None else None
     get_run_logger().info("%s: done at step %d; checkpoint %s", stage, last_step, uri)
-    return {"stage": stage, "last_step": last_step, "checkpoint_step": step, "checkpoint": uri}
+    return {
+        "stage": stage,
+        "last_step": last_step,
+        "checkpoint_step": step,
+        "checkpoint": uri,
+        "seconds": seconds,
+    }
 
 
 def _monitor(config: PrimeflowConfig, stage: Stage, total_steps: int) -> StageMonitor:
@@ -69,6 +78,7 @@ def _monitor(config: PrimeflowConfig, stage: Stage, total_steps: int) -> StageMo
 @task(name="sft-warmup", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def sft_warmup(config: PrimeflowConfig) -> dict[str, Any]:
     """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+    started = time.perf_counter()
     with _monitor(config, "sft", config.sft.max_steps) as monitor:
         pool = _start_trainer(config, "sft")
         try:
@@ -77,7 +87,7 @@ def sft_warmup(config: PrimeflowConfig) -> dict[str, Any]:
             _finish_trainer(config, "sft", pool)
     if code != 0:
         raise StageFailedError(f"the SFT trainer exited with status {code}; see {pool.log_path}")
-    return _outcome(config, "sft", monitor.last_step)
+    return _outcome(config, "sft", monitor.last_step, time.perf_counter() - started)
 
 
 @task(name="rl-loop", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
@@ -88,6 +98,7 @@ def rl_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
     orchestrator would otherwise wait forever for the checkpoint the async bound needs.
     """
     assert config.trainer.max_steps is not None
+    started = time.perf_counter()
     failure: list[BaseException] = []
 
     def orchestrate() -> None:
@@ -110,7 +121,7 @@ def rl_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
             _finish_trainer(config, "rl", trainer)
     if code != 0:
         raise StageFailedError(f"the RL trainer exited with status {code}; see {trainer.log_path}")
-    return _outcome(config, "rl", monitor.last_step)
+    return _outcome(config, "rl", monitor.last_step, time.perf_counter() - started)
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
@@ -126,7 +137,15 @@ def evaluate_checkpoint(
     eval_config = config.eval.model_copy(
         update={"name": name, "stage": stage, "checkpoint_step": step}
     )
+    started = time.perf_counter()
     outcome = evaluate_policy(config.model_copy(update={"eval": eval_config}), pool)
     headline = {k: v for k, v in outcome.summary.items() if isinstance(v, int | float)}
+    samples = sum(env.get("samples", 0) for env in outcome.summary.get("envs", {}).values())
     get_run_logger().info("eval %s: %s", name, headline)
-    return {"name": name, "uri": outcome.uri, **headline}
+    return {
+        "name": name,
+        "uri": outcome.uri,
+        "samples": samples,
+        "seconds": time.perf_counter() - started,
+        **headline,
+    }
