@@ -26,7 +26,7 @@ import pyarrow.ipc as ipc
 from engine.config.orchestrator import SamplingConfig
 from engine.envs import Environment, Rollout, TurnGenerator, assemble
 from engine.orchestrator.samples import skip_reason
-from storage.commit import begin_step, commit_step, digest_bytes
+from storage.commit import begin_step, commit_step, committed_steps, digest_bytes, verify_step
 from storage.layout import RunLayout
 from storage.paths import join
 
@@ -189,6 +189,16 @@ def write_eval(
         rows=table.num_rows,
     )
     return store.url(step_dir)
+
+
+def committed_summary(store: Any, name: str, step: int) -> tuple[str, dict[str, Any]] | None:
+    """URI and summary of `eval/<name>/step_N` when it is committed already (a resumed run
+    reuses it: committed steps are immutable), else None."""
+    if step not in committed_steps(store, RunLayout.eval_parent(name)):
+        return None
+    step_dir = RunLayout.eval_dir(name, step)
+    verify_step(store, step_dir)
+    return store.url(step_dir), json.loads(store.read_bytes(join(step_dir, SUMMARY)))
 
 
 def summary_document(

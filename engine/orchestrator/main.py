@@ -21,7 +21,14 @@ from engine.envs import ChatTokenizer, MixEntry, TurnGenerator, load_environment
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
 from engine.models.resolve import resolve_model
-from engine.orchestrator.evaluate import play, rows, summarize, summary_document, write_eval
+from engine.orchestrator.evaluate import (
+    committed_summary,
+    play,
+    rows,
+    summarize,
+    summary_document,
+    write_eval,
+)
 from engine.orchestrator.loop import Orchestrator
 from engine.run import local_run_dir, run_store
 from storage.commit import latest_committed_step
@@ -116,7 +123,10 @@ def evaluate_policy(config: PrimeflowConfig, pool: InferencePool | None = None) 
             step = latest_committed_step(checkpoints, RunLayout.CHECKPOINTS) or 0
         if step is None:
             step = serving.policy_version
-        elif step != serving.policy_version:
+        if (done := committed_summary(store, name, step)) is not None:
+            logger.info("eval %s step %d is committed already: %s", name, step, done[0])
+            return EvalOutcome(uri=done[0], summary=done[1])
+        if step != serving.policy_version:
             uri = checkpoints.url(RunLayout.checkpoint_dir(step))
             serving.reload(uri, version=step)
 
