@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -57,25 +58,41 @@ class Sample:
 
 
 class _Slots:
-    """A weighted semaphore: a request for `n` samples takes `n` of the `limit` slots.
+    """A FIFO weighted semaphore: a request for `n` samples takes `n` of the `limit` slots.
 
-    A request larger than the whole limit still runs, alone, so nothing can wait forever.
+    Waiters queue in arrival order and a release wakes only those that now fit, so thousands of
+    queued requests cost O(1) each (a condition variable would wake them all on every release).
+    A request larger than the whole limit still runs, alone, so nothing waits forever.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._changed = asyncio.Condition()
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.limit
 
     async def acquire(self, n: int) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+        if not self._waiters and self._fits(n):
             self.used += n
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release(n)  # slots were handed over just as we were cancelled
+            raise
 
-    async def release(self, n: int) -> None:
-        async with self._changed:
-            self.used -= n
-            self._changed.notify_all()
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self._waiters and self._fits(self._waiters[0][0]):
+            wanted, granted = self._waiters.popleft()
+            if not granted.cancelled():
+                self.used += wanted
+                granted.set_result(None)
 
 
 class InferenceClient:
@@ -143,7 +160,7 @@ class InferenceClient:
         try:
             return await self._with_retries(body)
         finally:
-            await self._slots.release(n)
+            self._slots.release(n)
 
     async def generate_batch(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, n: int = 1

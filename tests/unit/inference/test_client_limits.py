@@ -13,7 +13,7 @@ async def hold(slots: _Slots, n: int, seen: list[int], in_flight: list[int]) -> 
     seen.append(in_flight[0])
     await asyncio.sleep(0.01)
     in_flight[0] -= n
-    await slots.release(n)
+    slots.release(n)
 
 
 def test_samples_in_flight_never_exceed_the_cap() -> None:
@@ -36,3 +36,18 @@ def test_a_request_larger_than_the_cap_runs_alone() -> None:
     seen = asyncio.run(scenario())
     assert len(seen) == 5
     assert all(value == 16 for value in seen if value >= 16)  # nothing beside it
+
+
+def test_cancelled_waiters_give_their_slots_back() -> None:
+    async def scenario() -> int:
+        slots = _Slots(2)
+        await slots.acquire(2)
+        waiting = asyncio.create_task(slots.acquire(1))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        slots.release(2)
+        await asyncio.gather(waiting, return_exceptions=True)
+        await asyncio.wait_for(slots.acquire(2), timeout=1)
+        return slots.used
+
+    assert asyncio.run(scenario()) == 2
