@@ -104,6 +104,9 @@ class Case:
         return statistics.median(r / x for r, x in pairs)
 
 
+Step = Callable[[int], object]
+
+
 def _timed(fn: Callable[[], object], timing: Timing) -> None:
     # Flush the previous run's dirty pages first (untimed): otherwise the kernel's writeback of
     # one run throttles whichever run comes next, and the order decides the ratio.
@@ -115,14 +118,19 @@ def _timed(fn: Callable[[], object], timing: Timing) -> None:
 
 
 def _alternate(
-    layer: Callable[[int], object], raw: Callable[[int], object], repeats: int
+    layer: tuple[Step, Step], raw: tuple[Step, Step], repeats: int
 ) -> tuple[Timing, Timing]:
-    """Run layer and raw `repeats` times each, swapping which goes first, so drift is shared."""
+    """Run layer and raw `repeats` times each, back to back, swapping which goes first.
+
+    Each side is `(run, clean_up)`; the clean-up (untimed) deletes what the run wrote, so every
+    run starts from the same state rather than on top of the debris of the runs before it.
+    """
     layer_t, raw_t = Timing(), Timing()
     for rep in range(repeats):
         pair = [(layer, layer_t), (raw, raw_t)]
-        for fn, timing in pair if rep % 2 == 0 else reversed(pair):
-            _timed(lambda fn=fn, rep=rep: fn(rep), timing)
+        for (run, clean_up), timing in pair if rep % 2 == 0 else reversed(pair):
+            _timed(lambda run=run, rep=rep: run(rep), timing)
+            clean_up(rep)
     return layer_t, raw_t
 
 
@@ -165,29 +173,35 @@ def bench_shards(backend: str, store: ObjectStore, target_bytes: int, seq_len: i
     # One table per step (a step's rows must carry its number); all share every other column.
     tables = {rep: with_step(base, rep) for rep in [*range(repeats), WARM_STEP]}
 
-    def write(rep: int) -> None:
-        write_rollouts(store, rep, tables[rep])
-
-    # The raw baseline writes exactly the shard bytes the layer wrote, fetched once untimed.
+    # The raw baseline moves exactly the shard bytes the layer wrote, fetched once untimed.
     warm = write_rollouts(store, WARM_STEP, tables[WARM_STEP])
-    step_dir = RunLayout.rollouts_dir(WARM_STEP)
-    blobs = {name: store.read_bytes(f"{step_dir}/{name}") for name in warm.files}
+    warm_dir = RunLayout.rollouts_dir(WARM_STEP)
+    blobs = {name: store.read_bytes(f"{warm_dir}/{name}") for name in warm.files}
     nbytes = sum(len(blob) for blob in blobs.values())
 
-    def raw_write(rep: int) -> None:
+    def raw_write(folder: str) -> None:
         for name, blob in blobs.items():
-            store.write_bytes(f"raw/shards/{rep}/{name}", blob)
+            store.write_bytes(f"{folder}/{name}", blob)
 
-    layer_w, raw_w = _alternate(write, raw_write, repeats)
-
-    def read(rep: int) -> None:
-        read_rollouts(store, rep)
+    layer_w, raw_w = _alternate(
+        (
+            lambda rep: write_rollouts(store, rep, tables[rep]),
+            lambda rep: store.delete(RunLayout.rollouts_dir(rep)),
+        ),
+        (lambda rep: raw_write(f"raw/shards/{rep}"), lambda rep: store.delete("raw/shards")),
+        repeats,
+    )
+    raw_write("raw/shards/read")
 
     def raw_read(rep: int) -> None:
         for name in blobs:
-            store.read_bytes(f"raw/shards/{rep}/{name}")
+            store.read_bytes(f"raw/shards/read/{name}")
 
-    layer_r, raw_r = _alternate(read, raw_read, repeats)
+    layer_r, raw_r = _alternate(
+        (lambda rep: read_rollouts(store, WARM_STEP), lambda rep: None),
+        (raw_read, lambda rep: None),
+        repeats,
+    )
     store.delete(RunLayout.ROLLOUTS)
     store.delete("raw/shards")
     detail = f"{rows} rows x {seq_len} tokens, {len(blobs)} shards, {nbytes / MB:.0f} MB stored"
@@ -204,31 +218,40 @@ def bench_checkpoints(
     weights = state_dict(target_bytes)
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
 
-    def write(rep: int) -> None:
-        write_checkpoint(store, rep, weights=weights, config=config)
-
     warm = write_checkpoint(store, WARM_STEP, weights=weights, config=config)
-    step_dir = RunLayout.checkpoint_dir(WARM_STEP)
-    blobs = {name: store.read_bytes(f"{step_dir}/{name}") for name in warm.files}
+    warm_dir = RunLayout.checkpoint_dir(WARM_STEP)
+    blobs = {name: store.read_bytes(f"{warm_dir}/{name}") for name in warm.files}
     nbytes = sum(len(blob) for blob in blobs.values())
 
-    def raw_write(rep: int) -> None:
+    def raw_write(folder: str) -> None:
         for name, blob in blobs.items():
-            store.write_bytes(f"raw/ckpt/{rep}/{name}", blob)
+            store.write_bytes(f"{folder}/{name}", blob)
 
-    layer_w, raw_w = _alternate(write, raw_write, repeats)
+    layer_w, raw_w = _alternate(
+        (
+            lambda rep: write_checkpoint(store, rep, weights=weights, config=config),
+            lambda rep: store.delete(RunLayout.checkpoint_dir(rep)),
+        ),
+        (lambda rep: raw_write(f"raw/ckpt/{rep}"), lambda rep: store.delete("raw/ckpt")),
+        repeats,
+    )
+    raw_write("raw/ckpt/read")
     blobs.clear()  # frees the copy before the fetch runs
-
-    def fetch(rep: int) -> None:
-        fetch_checkpoint(store, rep, scratch / f"fetched-{rep}")
 
     def raw_fetch(rep: int) -> None:
         folder = scratch / f"raw-{rep}"
         folder.mkdir(parents=True, exist_ok=True)
         for name in warm.files:
-            store.download_file(f"raw/ckpt/{rep}/{name}", folder / name.replace("/", "_"))
+            store.download_file(f"raw/ckpt/read/{name}", folder / name.replace("/", "_"))
 
-    layer_r, raw_r = _alternate(fetch, raw_fetch, repeats)
+    layer_r, raw_r = _alternate(
+        (
+            lambda rep: fetch_checkpoint(store, WARM_STEP, scratch / f"fetched-{rep}"),
+            lambda rep: shutil.rmtree(scratch / f"fetched-{rep}"),
+        ),
+        (raw_fetch, lambda rep: shutil.rmtree(scratch / f"raw-{rep}")),
+        repeats,
+    )
     store.delete(RunLayout.CHECKPOINTS)
     store.delete("raw/ckpt")
     detail = f"{len(weights)} bf16 tensors, {len(warm.files)} files, {nbytes / MB:.0f} MB stored"
