@@ -16,33 +16,18 @@ from typing import TextIO
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool, InferencePoolError
-from engine.models.tiny import default_cache_dir
-from storage.backends import split_uri
-from storage.layout import RunLayout, run_uri
-from storage.store import ObjectStore
+from engine.run import local_run_dir, run_store
+from storage.layout import RunLayout
 
 EXIT_OK = 0
 EXIT_START_FAILED = 1
 
 
-def local_log_dir(config: PrimeflowConfig) -> Path:
-    """`<run>/logs` when the run root is local; a local staging folder otherwise."""
-    uri = run_uri(config.storage.uri, config.run.name)
-    protocol, location = split_uri(uri)
-    if protocol == "file":
-        return Path(location).expanduser().resolve() / RunLayout.LOGS
-    return default_cache_dir() / "runs" / config.run.name / RunLayout.LOGS
-
-
 def upload_logs(config: PrimeflowConfig, log_dir: Path) -> None:
-    """Copy the staged logs into `<run>/logs/` of a remote run root (no-op when local)."""
-    uri = run_uri(config.storage.uri, config.run.name)
-    if split_uri(uri)[0] == "file":
+    """Copy the pool's logs into `<run>/logs/` when the run root is not this machine's disk."""
+    store = run_store(config)
+    if store.protocol == "file":
         return
-    storage = config.storage
-    store = ObjectStore(
-        uri, endpoint_url=storage.endpoint_url, region=storage.region, retries=storage.retries
-    )
     for path in sorted(log_dir.glob("inference*")):
         store.upload_file(path, f"{RunLayout.LOGS}/{path.name}")
 
@@ -55,7 +40,7 @@ def serve_forever(config: PrimeflowConfig, out: TextIO = sys.stdout) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    log_dir = local_log_dir(config)
+    log_dir = local_run_dir(config) / RunLayout.LOGS
     pool = InferencePool(config.inference, log_dir=log_dir, revision=config.model.revision)
     try:
         try:
