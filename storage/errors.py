@@ -117,6 +117,10 @@ _TRANSIENT_S3_CODES = frozenset(
         "InternalError",
         "ServiceUnavailable",
         "OperationAborted",
+        # The server no longer knows a multipart upload. Seen against a loaded server: a part
+        # timed out, the server finished or dropped the upload meanwhile, and s3fs's abort then
+        # raised this as FileNotFoundError. Starting the whole PUT over is the cure.
+        "NoSuchUpload",
     }
 )
 _TRANSIENT_HTTP_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -198,7 +202,7 @@ def is_permanent(exc: BaseException) -> bool:
     if isinstance(exc, PermanentStorageError | CorruptObjectError | NotCommittedError):
         return True
     if isinstance(exc, FileNotFoundError | IsADirectoryError | NotADirectoryError):
-        return True
+        return s3_error_code(exc) not in _TRANSIENT_S3_CODES
     if isinstance(exc, PermissionError):
         return True
     if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
@@ -210,8 +214,12 @@ def is_permanent(exc: BaseException) -> bool:
 
 
 def is_missing_object(exc: BaseException) -> bool:
-    """True when `exc` says the object is absent, as opposed to its bucket (which is permanent)."""
-    return isinstance(exc, FileNotFoundError) and s3_error_code(exc) != "NoSuchBucket"
+    """True when `exc` says the object is absent, as opposed to its bucket (which is permanent)
+    or a multipart upload in flight (which is transient)."""
+    if not isinstance(exc, FileNotFoundError):
+        return False
+    code = s3_error_code(exc)
+    return code != "NoSuchBucket" and code not in _TRANSIENT_S3_CODES
 
 
 def is_transient(exc: BaseException) -> bool:
