@@ -1,7 +1,7 @@
 """The `primeflow` command: one subcommand per stage or pool, all sharing one config.
 
 Exit status: 0 done, 1 the work failed, 2 bad config or usage (one line on stderr, no
-traceback), 3 the command's stage is not built yet.
+traceback).
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ from flows.server import ServerError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-EXIT_NOT_BUILT = 3
-
-
-class NotBuiltError(Exception):
-    """The command exists, its stage does not yet; the message says what is missing."""
 
 
 ConfigRunner = Callable[[PrimeflowConfig, list[str]], int]
@@ -41,16 +36,6 @@ class Command:
     help: str
     run: ConfigRunner | None = None
     run_plain: PlainRunner | None = None
-
-
-def _plain_not_built(what: str, issue: int) -> PlainRunner:
-    def run(argv: list[str], dry_run: bool) -> int:
-        if dry_run:
-            print(json.dumps({"command": what, "args": argv, "built": False}, indent=2))
-            return 0
-        raise NotBuiltError(f"{what} is not built yet (issue #{issue})")
-
-    return run
 
 
 def _flow_runner(name: str) -> ConfigRunner:
@@ -101,6 +86,12 @@ def _trainer(config: PrimeflowConfig, argv: list[str]) -> int:
     return run_trainer(config, "rl")
 
 
+def _reproduce(argv: list[str], dry_run: bool) -> int:
+    from flows.reproduce import main as reproduce_main
+
+    return reproduce_main(argv, dry_run)
+
+
 def _deploy(argv: list[str], dry_run: bool) -> int:
     from flows.deploy import main as deploy_main
 
@@ -141,9 +132,7 @@ COMMANDS: dict[str, Command] = {
     "trainer": Command("run the RL trainer pool in the foreground", run=_trainer),
     "server": Command("start | stop | status the local Prefect server", run_plain=_server),
     "deploy": Command("create the work pool and the deployments", run_plain=_deploy),
-    "reproduce": Command(
-        "re-run a run from its manifest URI", run_plain=_plain_not_built("reproduce", 6)
-    ),
+    "reproduce": Command("re-run a run from its manifest URI", run_plain=_reproduce),
 }
 
 
@@ -193,9 +182,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"primeflow {name}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except NotBuiltError as exc:
-        print(f"primeflow {name}: {exc}", file=sys.stderr)
-        return EXIT_NOT_BUILT
     except (ServerError, DeployError) as exc:
         print(f"primeflow {name}: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -13,7 +13,7 @@ from prefect import flow
 from engine.config import PrimeflowConfig
 from engine.run import open_run
 from engine.trainer.pool import Stage
-from flows.pipeline import flow_run_name, resolve
+from flows.pipeline import flow_run_name, metrics_sink, resolve
 from storage.commit import latest_committed_step
 from tasks.hooks import kill_pools_on_exit
 from tasks.pools import inference_pool
@@ -39,5 +39,5 @@ def evaluate(
     if step is None:
         step = latest_committed_step(store, CHECKPOINT_PARENTS[stage])
     name = config.eval.name or (stage if step is not None else "base")
-    with inference_pool(config) as pool:
-        return evaluate_checkpoint(config, pool, name=name, stage=stage, step=step)
+    with metrics_sink(config) as sink, inference_pool(config) as pool:
+        return evaluate_checkpoint(config, pool, name=name, stage=stage, step=step, sink=sink)

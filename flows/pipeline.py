@@ -8,13 +8,15 @@ what `prefect deployment run ... --param overrides='{"max_steps": 5}'` changes.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from engine.config import PrimeflowConfig, with_overrides
-from engine.run import open_run
+from engine.run import local_run_dir, open_run
+from engine.wandb_sink import WandbSink, wandb_sink
 from storage.metrics import compact_metrics
 from tasks.hooks import config_of_run, kill_pools_on_exit
 from tasks.pools import inference_pool
@@ -41,6 +43,13 @@ def flow_run_name() -> str:
     return name or flow_run.name
 
 
+def metrics_sink(config: PrimeflowConfig) -> AbstractContextManager[WandbSink | None]:
+    """W&B for this run when `wandb.project` is set (one resumable W&B run per primeflow run)."""
+    return wandb_sink(
+        config.wandb, config.run.name, config.model_dump(mode="json"), local_run_dir(config)
+    )
+
+
 def with_init_checkpoint(config: PrimeflowConfig, uri: str | None) -> PrimeflowConfig:
     """RL starts from the SFT result when there is one."""
     return config if uri is None else with_overrides(config, {"trainer.init_checkpoint": uri})
@@ -59,18 +68,18 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
     logger = get_run_logger()
     logger.info("run %s at %s", config.run.name, run.store.url())
     results: dict[str, Any] = {"run": config.run.name, "root": run.store.url()}
-    with inference_pool(config) as pool:
-        results["eval_base"] = evaluate_checkpoint(config, pool, name="base")
+    with metrics_sink(config) as sink, inference_pool(config) as pool:
+        results["eval_base"] = evaluate_checkpoint(config, pool, name="base", sink=sink)
         sft_checkpoint = None
         if config.sft.enabled:
-            results["sft"] = sft_warmup(config)
+            results["sft"] = sft_warmup(config, sink)
             sft_checkpoint = results["sft"]["checkpoint"]
             pool.reload(sft_checkpoint, version=0)
-            results["eval_sft"] = evaluate_checkpoint(config, pool, name="sft")
+            results["eval_sft"] = evaluate_checkpoint(config, pool, name="sft", sink=sink)
         config = with_init_checkpoint(config, sft_checkpoint)
-        results["rl"] = rl_loop(config, pool)
+        results["rl"] = rl_loop(config, pool, sink)
         results["eval_rl"] = evaluate_checkpoint(
-            config, pool, name="rl", step=results["rl"]["checkpoint_step"]
+            config, pool, name="rl", step=results["rl"]["checkpoint_step"], sink=sink
         )
     compact_metrics(run.store)
     publish_summary(config, results)
@@ -87,7 +96,8 @@ def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dic
     """The SFT warm-up stage alone (no inference pool needed)."""
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "sft"])
-    result = sft_warmup(config)
+    with metrics_sink(config) as sink:
+        result = sft_warmup(config, sink)
     compact_metrics(run.store)
     return result
 
@@ -102,9 +112,9 @@ def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict
     """The async RL stage alone, from `trainer.init_checkpoint` or the model itself."""
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "rl"])
-    with inference_pool(config) as pool:
+    with metrics_sink(config) as sink, inference_pool(config) as pool:
         if config.trainer.init_checkpoint is not None:
             pool.reload(config.trainer.init_checkpoint, version=0)
-        result = rl_loop(config, pool)
+        result = rl_loop(config, pool, sink)
     compact_metrics(run.store)
     return result

@@ -67,18 +67,24 @@ def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str) -> Non
 
 @dataclass
 class StageMonitor:
-    """Context manager: while the stage runs, poll storage and report; report once more at exit."""
+    """Context manager: while the stage runs, poll storage and report; report once more at exit.
+
+    `stage`'s metric lines measure progress; lines of the `also` stages (the orchestrator's,
+    beside the RL trainer's) join them in the table, the bar and `on_step`.
+    """
 
     store: ObjectStore
     run_name: str
     stage: str
     total_steps: int
     checkpoint_parent: str = "checkpoints"
+    also: tuple[str, ...] = ()
     interval_s: float = 2.0
     table_every: int = 10
     table_rows: int = 20
     on_step: Callable[[Mapping[str, Any]], None] | None = None
     lines: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)
+    others: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict, init=False)
     checkpoints: set[int] = field(default_factory=set, init=False)
     _artifact: UUID | None = field(default=None, init=False)
     _last_table_step: int = field(default=-1, init=False)
@@ -130,7 +136,7 @@ class StageMonitor:
         new_lines = self._read_new_lines()
         if new_lines and self._bar is not None:
             self._bar.update(self.last_step - self._bar.n)
-            latest = self.lines[self.last_step]
+            latest = self.row(self.last_step)
             shown = {k: latest[k] for k in BAR_METRICS if isinstance(latest.get(k), int | float)}
             self._bar.set_postfix(shown, refresh=False)
         if new_lines and self._artifact is not None:
@@ -145,24 +151,38 @@ class StageMonitor:
             emit_checkpoint_event(self.run_name, self.stage, step, uri)
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
-        prefix = join(METRICS_DIR, self.stage)
+        """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""
+        new = self._read_stage(self.stage, self.lines)
+        for stage in self.also:
+            self._read_stage(stage, self.others.setdefault(stage, {}))
+        return new
+
+    def _read_stage(self, stage: str, seen: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        prefix = join(METRICS_DIR, stage)
         new = []
         for name in self.store.list(prefix):
             step = RunLayout.parse_step(name.removesuffix(".jsonl"))
-            if step is None or step in self.lines:
+            if step is None or step in seen:
                 continue
             line = json.loads(self.store.read_bytes(join(prefix, name)))
-            self.lines[step] = line
+            seen[step] = line
             new.append(line)
             if self.on_step is not None:
                 self.on_step(line)
         return new
 
+    def row(self, step: int) -> dict[str, Any]:
+        """Step `step`'s numbers from every watched stage, in one flat row."""
+        merged = dict(self.lines.get(step, {}))
+        for lines in self.others.values():
+            merged.update({k: v for k, v in lines.get(step, {}).items() if k not in merged})
+        return merged
+
     def _write_table(self, force: bool = False) -> None:
         if not self.lines or (not force and self.last_step == self._last_table_step):
             return
         rows = [
-            {k: v for k, v in self.lines[s].items() if isinstance(v, int | float | str)}
+            {k: v for k, v in self.row(s).items() if isinstance(v, int | float | str)}
             for s in sorted(self.lines)[-self.table_rows :]
         ]
         create_table_artifact(

@@ -20,6 +20,7 @@ from engine.inference.pool import InferencePool
 from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.run import local_run_dir, run_store
 from engine.trainer.pool import Stage, TrainerPool
+from engine.wandb_sink import WandbSink
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.paths import join
@@ -65,21 +66,25 @@ def _outcome(
     }
 
 
-def _monitor(config: PrimeflowConfig, stage: Stage, total_steps: int) -> StageMonitor:
+def _monitor(
+    config: PrimeflowConfig, stage: Stage, total_steps: int, sink: WandbSink | None
+) -> StageMonitor:
     return StageMonitor(
         run_store(config),
         config.run.name,
         stage,
         total_steps=total_steps,
         checkpoint_parent=CHECKPOINT_PARENTS[stage],
+        also=("orchestrator",) if stage == "rl" else (),
+        on_step=sink.log if sink is not None else None,
     )
 
 
 @task(name="sft-warmup", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def sft_warmup(config: PrimeflowConfig) -> dict[str, Any]:
+def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[str, Any]:
     """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
     started = time.perf_counter()
-    with _monitor(config, "sft", config.sft.max_steps) as monitor:
+    with _monitor(config, "sft", config.sft.max_steps, sink) as monitor:
         pool = _start_trainer(config, "sft")
         try:
             code = pool.wait()
@@ -91,7 +96,9 @@ def sft_warmup(config: PrimeflowConfig) -> dict[str, Any]:
 
 
 @task(name="rl-loop", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def rl_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
+def rl_loop(
+    config: PrimeflowConfig, pool: InferencePool, sink: WandbSink | None = None
+) -> dict[str, Any]:
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
     The orchestrator runs on a thread so this task can notice a trainer that died: the
@@ -107,7 +114,7 @@ def rl_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
         except BaseException as exc:
             failure.append(exc)
 
-    with _monitor(config, "rl", config.trainer.max_steps) as monitor:
+    with _monitor(config, "rl", config.trainer.max_steps, sink) as monitor:
         trainer = _start_trainer(config, "rl")
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
         orchestrator.start()
@@ -132,6 +139,7 @@ def evaluate_checkpoint(
     name: str,
     stage: Stage = "rl",
     step: int | None = None,
+    sink: WandbSink | None = None,
 ) -> dict[str, Any]:
     """Evaluate what `pool` serves (step None) or a committed checkpoint of `stage`."""
     eval_config = config.eval.model_copy(
@@ -141,6 +149,8 @@ def evaluate_checkpoint(
     outcome = evaluate_policy(config.model_copy(update={"eval": eval_config}), pool)
     headline = {k: v for k, v in outcome.summary.items() if isinstance(v, int | float)}
     samples = sum(env.get("samples", 0) for env in outcome.summary.get("envs", {}).values())
+    if sink is not None:
+        sink.log({"stage": f"eval-{name}", "step": outcome.summary["step"], **headline})
     get_run_logger().info("eval %s: %s", name, headline)
     return {
         "name": name,

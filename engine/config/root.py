@@ -14,6 +14,7 @@ from engine.config.orchestrator import OrchestratorConfig
 from engine.config.run import RunConfig, StorageConfig
 from engine.config.sft import SftConfig
 from engine.config.trainer import TrainerConfig
+from engine.config.wandb import WandbConfig
 
 #: shared field → the section fields it fills. One value, stated once, reaches every pool.
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -72,6 +73,7 @@ class PrimeflowConfig(BaseConfig):
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
+    wandb: WandbConfig = WandbConfig()
 
     @model_validator(mode="after")
     def _fill_shared_fields(self) -> PrimeflowConfig:

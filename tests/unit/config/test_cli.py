@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.config.loader import union_field_paths
-from flows.cli import COMMANDS, EXIT_NOT_BUILT, EXIT_USAGE, main
+from flows.cli import COMMANDS, EXIT_USAGE, main
 
 
 def primeflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,17 +39,11 @@ def test_dry_run_prints_the_resolved_config(command: str, capsys: pytest.Capture
 
 @pytest.mark.parametrize(
     ("command", "args"),
-    [("server", ["start"]), ("deploy", []), ("reproduce", ["runs/x/manifest.json"])],
+    [("server", ["start"]), ("deploy", [])],
 )
 def test_dry_run_works_for_commands_without_config(command: str, args: list[str], capsys) -> None:
     assert main([command, *args, "--dry-run"]) == 0
     assert json.loads(capsys.readouterr().out)
-
-
-@pytest.mark.parametrize("command", ["reproduce"])
-def test_unbuilt_commands_say_so_and_fail(command: str, capsys) -> None:
-    assert main([command]) == EXIT_NOT_BUILT
-    assert "not built yet" in capsys.readouterr().err
 
 
 def test_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
