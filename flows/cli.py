@@ -48,8 +48,15 @@ def _flow_runner(name: str) -> ConfigRunner:
         print(f"Prefect UI: {api_url.removesuffix('/api')}", flush=True)
         from flows.evaluate import evaluate
         from flows.pipeline import post_train, rl, sft
+        from tasks.results import result_storage
 
         flow = {"post-train": post_train, "sft": sft, "rl": rl, "evaluate": evaluate}[name]
+        # Results (small dicts) persist as JSON beside the runs; nothing is pickled to storage.
+        flow = flow.with_options(
+            result_storage=result_storage(config.storage),
+            result_serializer="json",
+            persist_result=True,
+        )
         try:
             state = flow(config=config, return_state=True)
             result = state.result()
