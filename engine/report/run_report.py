@@ -1,0 +1,388 @@
+"""What a finished (or running) run shows a person: a plot, eval noise and sample tables.
+
+`write_run_report(store)` reads only what the run committed to its object store:
+
+- metric lines (`storage.metrics.read_metrics`) of the stages `sft` (trainer loss, eval
+  loss), `rl` (trainer loss) and `orchestrator` (reward of each training batch);
+- every evaluation's latest committed `eval/<name>/step_N/results.arrow`;
+
+and writes, under `<run>/report/`:
+
+- `reward.png`: reward (top) and loss (bottom) per optimizer step, SFT steps first and RL steps
+  after them on one axis; evaluations are drawn where their policy sits on that axis (`base`
+  at 0, `sft` at the end of SFT, any other name at the end of SFT + its checkpoint step), with
+  error bars of one standard error;
+- `samples.md` / `samples.json`: the same held-out prompts answered by each evaluated policy
+  (prompt, completion, reward), before and after;
+- `report.json`: per evaluation and mode (sampled, greedy) the number of examples and samples,
+  the mean reward and its standard error, plus paired differences between consecutive
+  policies (same prompts, so the paired standard error is the honest noise of an improvement).
+
+Nothing here imports Prefect; the flow calls it and links the files.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from storage.commit import committed_steps
+from storage.layout import RunLayout
+from storage.metrics import read_metrics
+from storage.paths import join
+from storage.store import ObjectStore
+
+REPORT_DIR = "report"
+PLOT = "reward.png"
+SAMPLES_MD = "samples.md"
+SAMPLES_JSON = "samples.json"
+REPORT_JSON = "report.json"
+
+#: Evaluations in the order a pipeline makes them; others follow in name order.
+POLICY_ORDER = ("base", "sft", "rl")
+_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _ordered(names: Sequence[str]) -> list[str]:
+    known = [name for name in POLICY_ORDER if name in names]
+    return known + sorted(name for name in names if name not in POLICY_ORDER)
+
+
+def latest_evals(store: ObjectStore) -> dict[str, tuple[int, pa.Table]]:
+    """`{eval name: (step, results table)}` of each evaluation's newest committed step."""
+    found: dict[str, tuple[int, pa.Table]] = {}
+    for name in _ordered(store.list(RunLayout.EVAL)):
+        steps = committed_steps(store, RunLayout.eval_parent(name))
+        if not steps:
+            continue
+        step = steps[-1]
+        data = store.read_bytes(join(RunLayout.eval_dir(name, step), "results.arrow"))
+        found[name] = (step, ipc.open_file(pa.py_buffer(data)).read_all())
+    return found
+
+
+def _reward(value: Any) -> float:
+    """Unscorable rollouts (NaN) count as 0, as avg@k counts them."""
+    return 0.0 if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _per_example(table: pa.Table, mode: str) -> dict[int, list[float]]:
+    rewards: dict[int, list[float]] = {}
+    for row in table.select(["example_id", "mode", "reward"]).to_pylist():
+        if row["mode"] == mode:
+            rewards.setdefault(row["example_id"], []).append(_reward(row["reward"]))
+    return rewards
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
+
+
+def _stderr(values: Sequence[float]) -> float:
+    """Standard error of the mean (sample std / sqrt n); NaN below two values."""
+    if len(values) < 2:
+        return math.nan
+    mean = _mean(values)
+    variance = math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return math.sqrt(variance / len(values))
+
+
+def reward_stats(table: pa.Table, mode: str) -> dict[str, float | int] | None:
+    """Mean reward of `mode` rows and its standard error over examples (k samples of one
+    example are averaged first, since they are not independent)."""
+    by_example = _per_example(table, mode)
+    if not by_example:
+        return None
+    means = [_mean(v) for v in by_example.values()]
+    return {
+        "examples": len(by_example),
+        "samples": sum(len(v) for v in by_example.values()),
+        "mean": _mean([r for v in by_example.values() for r in v]),
+        "stderr": _stderr(means),
+    }
+
+
+def paired_difference(after: pa.Table, before: pa.Table, mode: str) -> dict[str, float] | None:
+    """Mean reward of `after` minus `before` over the examples both evaluated, with the
+    standard error of the paired differences."""
+    a, b = _per_example(after, mode), _per_example(before, mode)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    diffs = [_mean(a[i]) - _mean(b[i]) for i in common]
+    return {"examples": len(common), "mean": _mean(diffs), "stderr": _stderr(diffs)}
+
+
+# ----------------------------------------------------------------------------- samples
+
+
+def prompt_of(prompt_text: str) -> str:
+    """The last user message of a ChatML-rendered prompt (the whole text otherwise)."""
+    found = _USER.findall(prompt_text)
+    return found[-1].strip() if found else prompt_text.strip()
+
+
+def completion_of(text: str) -> str:
+    for end in _END_TOKENS:
+        text = text.replace(end, "")
+    return text.strip()
+
+
+def sample_rows(
+    evals: Mapping[str, tuple[int, pa.Table]], num_examples: int, mode: str
+) -> list[dict[str, Any]]:
+    """The first `num_examples` held-out examples every policy answered, each policy's first
+    `mode` completion with its reward."""
+    firsts: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, (_, table) in evals.items():
+        rows: dict[int, dict[str, Any]] = {}
+        for row in table.to_pylist():
+            if row["mode"] == mode and row["example_id"] not in rows:
+                rows[row["example_id"]] = row
+        firsts[name] = rows
+    if not firsts:
+        return []
+    common = sorted(set.intersection(*(set(rows) for rows in firsts.values())))
+    out = []
+    for example in common[:num_examples]:
+        first = next(iter(firsts.values()))[example]
+        out.append(
+            {
+                "example_id": example,
+                "prompt": prompt_of(first["prompt_text"]),
+                "policies": {
+                    name: {
+                        "completion": completion_of(rows[example]["completion_text"]),
+                        "reward": _reward(rows[example]["reward"]),
+                    }
+                    for name, rows in firsts.items()
+                },
+            }
+        )
+    return out
+
+
+def _cell(text: str) -> str:
+    """Markdown table cell as code, so tags such as `<reversed_text>` stay visible."""
+    text = text.replace("\n", " ").replace("`", "'").replace("|", "\\|")
+    return f"`{text}`" if text else "*(empty)*"
+
+
+def samples_markdown(
+    rows: Sequence[Mapping[str, Any]],
+    stats: Mapping[str, Mapping[str, Any]],
+    mode: str,
+) -> str:
+    lines = [f"# Held-out samples ({mode})", ""]
+    if stats:
+        lines += [
+            "| policy | step | mode | examples | samples | mean reward | ± stderr |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, entry in stats.items():
+            for which in ("sampled", "greedy"):
+                value = entry.get(which)
+                if value:
+                    lines.append(
+                        f"| {name} | {entry['step']} | {which} | {value['examples']} | "
+                        f"{value['samples']} | {value['mean']:.3f} | {value['stderr']:.3f} |"
+                    )
+        lines.append("")
+    lines += ["| example | prompt | policy | completion | reward |", "|---|---|---|---|---|"]
+    for row in rows:
+        for index, (name, answer) in enumerate(row["policies"].items()):
+            head = f"{row['example_id']} | {_cell(row['prompt'])}" if index == 0 else " | "
+            lines.append(
+                f"| {head} | {name} | {_cell(answer['completion'])} | {answer['reward']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def _series(lines: Sequence[Mapping[str, Any]], key: str, offset: int = 0) -> tuple[list, list]:
+    xs, ys = [], []
+    for line in lines:
+        value = line.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            xs.append(line["step"] + offset)
+            ys.append(float(value))
+    return xs, ys
+
+
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
+    return out
+
+
+def _eval_position(name: str, step: int, sft_steps: int) -> int:
+    if name == "base":
+        return 0
+    if name == "sft":
+        return sft_steps
+    return sft_steps + step
+
+
+def plot_png(
+    metrics: Mapping[str, Sequence[Mapping[str, Any]]],
+    stats: Mapping[str, Mapping[str, Any]],
+    sft_steps: int,
+    title: str,
+) -> bytes:
+    """The reward/loss figure as PNG bytes (matplotlib's Agg canvas; no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 7), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    reward_ax, loss_ax = figure.subplots(2, 1, sharex=True)
+    for ax in (reward_ax, loss_ax):
+        if sft_steps:
+            ax.axvspan(0, sft_steps, color="0.93", zorder=0)
+            ax.axvline(sft_steps, color="0.6", linewidth=0.8, zorder=1)
+        ax.grid(alpha=0.3)
+
+    xs, ys = _series(metrics.get("orchestrator", []), "reward/mean", sft_steps)
+    if xs:
+        reward_ax.plot(xs, ys, color="tab:blue", alpha=0.35, linewidth=1)
+        reward_ax.plot(
+            xs,
+            _moving_average(ys, 5),
+            color="tab:blue",
+            linewidth=2,
+            label="RL training batches (mean, 5-step average)",
+        )
+    styles = {"sampled": ("o", "tab:red"), "greedy": ("s", "tab:green")}
+    for mode, (marker, color) in styles.items():
+        points = [
+            (_eval_position(name, entry["step"], sft_steps), entry[mode], name)
+            for name, entry in stats.items()
+            if entry.get(mode)
+        ]
+        if not points:
+            continue
+        reward_ax.errorbar(
+            [p[0] for p in points],
+            [p[1]["mean"] for p in points],
+            yerr=[0.0 if math.isnan(p[1]["stderr"]) else p[1]["stderr"] for p in points],
+            fmt=marker,
+            color=color,
+            capsize=4,
+            markersize=7,
+            label=f"held-out eval, {mode}",
+        )
+        for x, value, name in points:
+            reward_ax.annotate(
+                f"{name} {value['mean']:.2f}",
+                (x, value["mean"]),
+                textcoords="offset points",
+                xytext=(6, -12 if mode == "greedy" else 6),
+                fontsize=8,
+                color=color,
+            )
+    reward_ax.set_ylabel("reward")
+    reward_ax.set_ylim(-0.02, 1.02)
+    reward_ax.set_title(title)
+    if reward_ax.get_legend_handles_labels()[0]:
+        reward_ax.legend(loc="lower right", fontsize=8)
+
+    xs, ys = _series(metrics.get("sft", []), "loss")
+    if xs:
+        loss_ax.plot(xs, ys, color="tab:purple", linewidth=1.2, label="SFT train loss (NLL)")
+    xs, ys = _series(metrics.get("sft", []), "eval_loss")
+    if xs:
+        loss_ax.plot(xs, ys, "D", color="tab:purple", markersize=4, label="SFT held-out loss")
+    loss_ax.set_ylabel("SFT loss (NLL per token)")
+    handles, labels = loss_ax.get_legend_handles_labels()
+    xs, ys = _series(metrics.get("rl", []), "loss", sft_steps)
+    if xs:
+        rl_ax = loss_ax.twinx()
+        rl_ax.plot(xs, ys, color="tab:orange", linewidth=1.2, label="RL loss")
+        rl_ax.set_ylabel("RL loss")
+        more_handles, more_labels = rl_ax.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if handles:
+        loss_ax.legend(handles, labels, loc="upper right", fontsize=8)
+    loss_ax.set_xlabel(
+        f"optimizer step (shaded: SFT steps 1-{sft_steps}; then RL)" if sft_steps else "RL step"
+    )
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def write_run_report(
+    store: ObjectStore, *, num_samples: int = 5, mode: str = "sampled", title: str | None = None
+) -> dict[str, Any]:
+    """Write `<run>/report/` (plot, sample tables, eval statistics) for the run rooted at
+    `store`; return what a summary needs: the files' URIs and the eval statistics.
+
+    Works on any run state: missing stages are simply left out. Returns
+    `{"plot": uri, "samples_md": uri, "samples_json": uri, "report": uri,
+      "evals": {name: {"step", "sampled": {examples, samples, mean, stderr}, "greedy": ...}},
+      "differences": {"sft-base": {"sampled": {examples, mean, stderr}, ...}, ...}}`.
+    """
+    metrics = {stage: read_metrics(store, stage) for stage in ("sft", "rl", "orchestrator")}
+    sft_steps = max((line["step"] for line in metrics["sft"]), default=0)
+    evals = latest_evals(store)
+    stats: dict[str, dict[str, Any]] = {}
+    for name, (step, table) in evals.items():
+        stats[name] = {
+            "step": step,
+            "sampled": reward_stats(table, "sampled"),
+            "greedy": reward_stats(table, "greedy"),
+        }
+    names = list(evals)
+    differences = {}
+    for before, after in itertools.pairwise(names):
+        differences[f"{after}-{before}"] = {
+            which: paired_difference(evals[after][1], evals[before][1], which)
+            for which in ("sampled", "greedy")
+        }
+    rows = sample_rows(evals, num_samples, mode)
+    run_name = store.url().rstrip("/").rsplit("/", 1)[-1]
+    png = plot_png(metrics, stats, sft_steps, title or f"primeflow run {run_name}")
+    documents = {
+        PLOT: png,
+        SAMPLES_MD: samples_markdown(rows, stats, mode).encode(),
+        SAMPLES_JSON: (json.dumps(rows, indent=2) + "\n").encode(),
+        REPORT_JSON: (
+            json.dumps(
+                {"sft_steps": sft_steps, "evals": stats, "differences": differences},
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        ).encode(),
+    }
+    for file, data in documents.items():
+        store.write_bytes(join(REPORT_DIR, file), data)
+    return {
+        "plot": store.url(join(REPORT_DIR, PLOT)),
+        "samples_md": store.url(join(REPORT_DIR, SAMPLES_MD)),
+        "samples_json": store.url(join(REPORT_DIR, SAMPLES_JSON)),
+        "report": store.url(join(REPORT_DIR, REPORT_JSON)),
+        "evals": stats,
+        "differences": differences,
+    }

@@ -1,0 +1,118 @@
+"""The run report: plot, eval statistics and sample tables from what a run committed."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import pytest
+
+from engine.orchestrator.evaluate import write_eval
+from engine.report import write_run_report
+from engine.report.run_report import completion_of, prompt_of
+from storage.metrics import write_metrics
+from storage.store import ObjectStore
+
+PROMPT = (
+    "<|im_start|>system\nReverse the text.<|im_end|>\n"
+    "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _row(example: int, mode: str, sample: int, reward: float, text: str) -> dict:
+    return {
+        "env": "reverse-text",
+        "example_id": example,
+        "mode": mode,
+        "sample": sample,
+        "reward": reward,
+        "passed": reward >= 0.99,
+        "skip_reason": None if not math.isnan(reward) else "no_completion",
+        "error": None,
+        "policy_version": 0,
+        "temperature": 1.0 if mode == "sampled" else 0.0,
+        "completion_tokens": len(text),
+        "is_truncated": False,
+        "prompt_text": PROMPT.format(text=f"text {example}"),
+        "completion_text": f"{text}<|im_end|>",
+        "metrics": {},
+    }
+
+
+def _eval(store: ObjectStore, name: str, step: int, rewards: list[list[float]]) -> None:
+    """`rewards[example]` = the k sampled rewards; greedy is the first one."""
+    rows = []
+    for example, values in enumerate(rewards):
+        for sample, reward in enumerate(values):
+            rows.append(_row(example, "sampled", sample, reward, f"{name} answer {example}"))
+        rows.append(_row(example, "greedy", 0, values[0], f"{name} greedy {example}"))
+    write_eval(store, name, step, rows, {"name": name, "step": step})
+
+
+@pytest.fixture
+def store() -> ObjectStore:
+    store = ObjectStore(f"memory://report-{uuid.uuid4().hex}/run-a")
+    for step in range(1, 11):
+        eval_loss = 2.0 if step == 10 else None
+        write_metrics(store, "sft", step, {"loss": 3.0 / step, "eval_loss": eval_loss})
+    for step in range(1, 6):
+        write_metrics(store, "rl", step, {"loss": 0.01 * step})
+        write_metrics(store, "orchestrator", step, {"reward/mean": 0.5 + 0.02 * step})
+    _eval(store, "base", 0, [[0.0, 0.1], [0.2, math.nan], [0.1, 0.1]])
+    _eval(store, "sft", 0, [[0.5, 0.7], [0.6, 0.6], [0.4, 0.5]])
+    _eval(store, "rl", 5, [[0.7, 0.9], [0.8, 0.7], [0.6, 0.6]])
+    return store
+
+
+def test_writes_plot_tables_and_statistics(store: ObjectStore) -> None:
+    report = write_run_report(store, num_samples=2)
+    png = store.read_bytes("report/reward.png")
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert report["plot"] == store.url("report/reward.png")
+
+    assert list(report["evals"]) == ["base", "sft", "rl"]
+    base = report["evals"]["base"]["sampled"]
+    # The NaN (unscorable) rollout counts as 0, as avg@k counts it.
+    assert base["examples"] == 3 and base["samples"] == 6
+    assert base["mean"] == pytest.approx(0.5 / 6)
+    # Standard error over per-example means (0.05, 0.1, 0.1): std 0.0289 / sqrt(3).
+    assert base["stderr"] == pytest.approx(0.028867513 / math.sqrt(3))
+    assert report["evals"]["rl"]["step"] == 5
+    assert report["evals"]["rl"]["greedy"]["samples"] == 3
+
+    difference = report["differences"]["rl-sft"]["sampled"]
+    assert difference["examples"] == 3
+    assert difference["mean"] == pytest.approx((0.2 + 0.15 + 0.15) / 3)
+    assert set(report["differences"]) == {"sft-base", "rl-sft"}
+    assert json.loads(store.read_bytes("report/report.json"))["sft_steps"] == 10
+
+
+def test_sample_tables_show_each_policy_on_the_same_prompts(store: ObjectStore) -> None:
+    write_run_report(store, num_samples=2)
+    rows = json.loads(store.read_bytes("report/samples.json"))
+    assert [row["example_id"] for row in rows] == [0, 1]
+    assert rows[0]["prompt"] == "text 0"
+    assert rows[0]["policies"]["rl"] == {"completion": "rl answer 0", "reward": 0.7}
+    assert list(rows[1]["policies"]) == ["base", "sft", "rl"]
+    assert rows[1]["policies"]["base"]["reward"] == 0.2
+    markdown = store.read_bytes("report/samples.md").decode()
+    assert "| rl | 5 | sampled | 3 | 6 |" in markdown
+    assert "`rl answer 1`" in markdown and "`text 1`" in markdown
+
+
+def test_a_run_without_evaluations_still_gets_a_plot() -> None:
+    store = ObjectStore(f"memory://report-{uuid.uuid4().hex}/run-b")
+    write_metrics(store, "sft", 1, {"loss": 2.0})
+    report = write_run_report(store)
+    assert report["evals"] == {} and report["differences"] == {}
+    assert store.read_bytes("report/reward.png").startswith(b"\x89PNG")
+    assert json.loads(store.read_bytes("report/samples.json")) == []
+
+
+def test_chatml_helpers() -> None:
+    assert prompt_of(PROMPT.format(text="a b")) == "a b"
+    assert prompt_of("plain") == "plain"
+    assert completion_of("<reversed_text>x</reversed_text><|im_end|>") == (
+        "<reversed_text>x</reversed_text>"
+    )
