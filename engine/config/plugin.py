@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from engine.config.base import BaseConfig
 
@@ -21,14 +21,19 @@ class CustomPluginConfig(BaseConfig):
     type: Literal["custom"] = "custom"
     import_path: Annotated[
         str,
-        Field(
-            pattern=_IMPORT_PATH.pattern,
-            description="Where the code lives: 'package.module:attribute'.",
-        ),
+        Field(description="Where the code lives: 'package.module:attribute'."),
     ]
     kwargs: Annotated[
         dict[str, Any], Field(description="Keyword arguments passed to it (JSON on the CLI).")
     ] = {}
+
+    @field_validator("import_path")
+    @classmethod
+    def _import_path_shape(cls, value: str) -> str:
+        """Checked here rather than with `Field(pattern=...)`, whose error shows the regex."""
+        if not _IMPORT_PATH.fullmatch(value):
+            raise ValueError("must look like 'package.module:function' (module, colon, name)")
+        return value
 
     def load(self, where: str) -> Callable[..., Any]:
         """The callable at `import_path` with `kwargs` bound.
