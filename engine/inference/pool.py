@@ -27,7 +27,7 @@ from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
 from engine.inference.reload_ext import served_model_folder
 from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
-from engine.models.resolve import resolve_model
+from engine.models.resolve import ModelPathError, looks_like_path, resolve_model
 from engine.models.tiny import default_cache_dir
 
 POOL_RECORD = "inference-pool.json"
@@ -41,13 +41,6 @@ class InferencePoolError(RuntimeError):
 
 class ReloadError(RuntimeError):
     """A checkpoint could not be swapped in; the servers still serve the previous weights."""
-
-
-def _looks_like_path(model: str) -> bool:
-    """Hub ids are `name` or `org/name`; anything else (or anything that exists) is a path."""
-    if os.path.exists(model):
-        return True
-    return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
 
 
 def _detect_device() -> str:
@@ -157,13 +150,12 @@ class InferencePool:
 
     def _resolve_model(self) -> str:
         assert self.config.model is not None
-        model = resolve_model(self.config.model, cache_dir=self.cache_dir)
-        if _looks_like_path(model):
-            folder = Path(model).expanduser()
-            if not (folder / "config.json").is_file():
-                reason = "does not exist" if not folder.exists() else "has no config.json"
-                raise InferencePoolError(f"model path {model} {reason}")
-            model = str(folder.resolve())
+        try:
+            model = resolve_model(self.config.model, cache_dir=self.cache_dir)
+        except ModelPathError as exc:
+            raise InferencePoolError(str(exc)) from None
+        if looks_like_path(model):
+            model = str(Path(model).expanduser().resolve())
         self._model_path = model
         return model
 

@@ -2,19 +2,42 @@
 
 `primeflow/tiny-qwen3` is not on any hub: it names the offline tiny model, which is built into
 the local cache on first use. Every other name (a hub id or a local folder) is returned as it is
-and goes through the normal Hugging Face loading path.
+and goes through the normal Hugging Face loading path — except a local folder that is missing
+or holds no `config.json`, which is refused here in one line naming the path: left to
+`transformers`, it surfaces as a hub-id validation error or a multi-paragraph OSError that
+never says which folder was wrong.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from engine.config.model import TINY_MODEL
 from engine.models.tiny import cached_tiny_model
 
 
+class ModelPathError(FileNotFoundError):
+    """A model named by a local path that does not exist or is not a model folder."""
+
+
+def looks_like_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else (or anything that exists) is a path."""
+    if os.path.exists(name):
+        return True
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+
+
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:
-    """A local folder for the built-in tiny model; `name` unchanged otherwise."""
+    """A local folder for the built-in tiny model; `name` unchanged otherwise.
+
+    Raises `ModelPathError` when `name` is a local path without a `config.json`.
+    """
     if name == TINY_MODEL:
         return str(cached_tiny_model(cache_dir=cache_dir))
+    if looks_like_path(name):
+        folder = Path(name).expanduser()
+        if not (folder / "config.json").is_file():
+            reason = "does not exist" if not folder.exists() else "has no config.json"
+            raise ModelPathError(f"model path {name} {reason}")
     return name

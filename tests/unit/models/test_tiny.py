@@ -102,5 +102,8 @@ def test_tiny_model_name_resolves_to_one_cached_build(tmp_path: Path) -> None:
 
 def test_other_names_pass_through_unchanged(tmp_path: Path) -> None:
     assert resolve_model("Qwen/Qwen3-0.6B", cache_dir=tmp_path) == "Qwen/Qwen3-0.6B"
-    assert resolve_model("/models/mine", cache_dir=tmp_path) == "/models/mine"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    assert resolve_model(str(mine), cache_dir=tmp_path) == str(mine)
     assert not (tmp_path / "models").exists()
