@@ -34,6 +34,7 @@ from storage.commit import (
     digest_file,
     read_commit,
 )
+from storage.errors import CorruptObjectError, ObjectNotFoundError
 from storage.layout import RunLayout
 from storage.paths import clean_path, join
 from storage.retention import prune_steps
@@ -136,7 +137,11 @@ def _fetch_verified(
     target = folder / name
     partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex}")
     remote = join(step_dir, name)
-    store.download_file(remote, partial)
+    try:
+        store.download_file(remote, partial)
+    except ObjectNotFoundError:
+        # The same error a reader of shards gets: the commit is broken, not merely absent.
+        raise CorruptObjectError(store.url(remote), f"listed in {MARKER} but missing") from None
     try:
         check_digest(store.url(remote), digest_file(partial, expected.algorithm), expected)
     except BaseException:
