@@ -360,3 +360,16 @@ def test_unusable_rollouts_are_counted_and_skipped(bad: Rollout, reason: str) ->
     assert group.rollouts == 3
     assert [s.reward for s in group.samples] == [1.0, 0.0]
     assert [s.advantage for s in group.samples] == [0.5, -0.5]
+
+
+# ----------------------------------------------------------------------- the docs table
+
+
+def test_docs_list_exactly_these_cases() -> None:
+    """docs/reliability.md's bad-input tables are written by hand; this keeps them honest."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "reliability.md").read_text()
+    section = doc.split("## 3. Bad input", 1)[1]
+    documented = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
+    ids = [c[0] for c in CONFIG_CASES] + [c[0] for c in ERROR_CASES] + [c[0] for c in SKIP_CASES]
+    assert len(ids) == len(set(ids)) >= 40
+    assert documented == ids
