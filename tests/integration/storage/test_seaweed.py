@@ -20,8 +20,10 @@ pytestmark = pytest.mark.integration
 
 # s3fs sends anything below 2 x 50 MiB as one PUT; this goes up in 3 parts (50 + 50 + 12 MiB).
 MULTIPART_BYTES = 112 * 2**20
-# A refused request is answered at once; retrying it would take seconds with the default backoff.
-FAST_S = 3.0
+# A refused request is answered at once. The stores below back off 10 s (jittered to >= 5 s)
+# before a first retry, so finishing within 5 s proves there was none, even on a loaded machine.
+FAST_S = 5.0
+BACKOFF_S = 10.0
 
 
 def _etag_parts(endpoint: S3Endpoint, store: ObjectStore, path: str) -> int:
@@ -45,7 +47,7 @@ def test_refused_credentials_fail_fast_and_say_so(
 ) -> None:
     seaweed_store.write_bytes("kept.bin", b"written with the right key")
     monkeypatch.setenv(variable, value)
-    refused = ObjectStore(seaweed_store.url())
+    refused = ObjectStore(seaweed_store.url(), retries=5, backoff_s=BACKOFF_S)
 
     for path, call in [
         ("new.bin", lambda: refused.write_bytes("new.bin", b"x")),
@@ -64,7 +66,7 @@ def test_refused_credentials_fail_fast_and_say_so(
 
 
 def test_a_missing_bucket_is_a_clear_permanent_error(seaweed_env: S3Endpoint) -> None:
-    store = ObjectStore("s3://no-such-bucket-primeflow/run")
+    store = ObjectStore("s3://no-such-bucket-primeflow/run", retries=5, backoff_s=BACKOFF_S)
     for path, call in [
         ("x.bin", lambda: store.write_bytes("x.bin", b"x")),
         ("x.bin", lambda: store.read_bytes("x.bin")),
