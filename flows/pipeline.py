@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from engine.config import PrimeflowConfig, with_overrides
+from engine.report import write_run_report
 from engine.run import local_run_dir, open_run
 from engine.wandb_sink import WandbSink, wandb_sink
 from storage.metrics import compact_metrics
@@ -82,6 +83,7 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
             config, pool, name="rl", step=results["rl"]["checkpoint_step"], sink=sink
         )
     compact_metrics(run.store)
+    results["report"] = write_run_report(run.store, title=f"primeflow run {config.run.name}")
     publish_summary(config, results)
     return results
 

@@ -23,13 +23,16 @@ def _reward(value: Any) -> str:
 def render(results: Mapping[str, Any], *, k: int, temperature: float, ui_url: str) -> str:
     """Plain text for a terminal: a small table, then stages, then locations."""
     rows = [("policy", f"reward (T={temperature:g}, avg@{k})", "greedy", "samples", "results")]
+    report = results.get("report") or {}
     for name in POLICIES:
         value = results.get(f"eval_{name}")
         if isinstance(value, Mapping):
+            stderr = report.get("evals", {}).get(name, {}).get("sampled", {}).get("stderr")
+            noise = f" ± {stderr:.3f}" if isinstance(stderr, float) else ""
             rows.append(
                 (
                     name,
-                    _reward(value.get(f"avg@{k}")),
+                    _reward(value.get(f"avg@{k}")) + noise,
                     _reward(value.get("greedy/avg@1")),
                     str(value.get("samples", "-")),
                     str(value.get("uri", "-")),
@@ -61,4 +64,6 @@ def render(results: Mapping[str, Any], *, k: int, temperature: float, ui_url: st
         "            manifest.json, rollouts/, checkpoints/, eval/, metrics.jsonl, logs/",
         f"  Prefect:  {ui_url}",
     ]
+    if report.get("plot"):
+        lines.insert(-1, f"  plot:     {report['plot']}")
     return "\n".join(lines)

@@ -233,8 +233,15 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
         f"- manifest: `{root}/{RunLayout.MANIFEST}`",
         f"- rollout shards: `{root}/{RunLayout.ROLLOUTS}/`",
         f"- checkpoints: `{root}/{RunLayout.CHECKPOINTS}/`",
-        f"- metrics: `{root}/{METRICS_DIR}/`",
+        f"- metrics: `{root}/{METRICS_DIR}/` (and `{root}/{RunLayout.METRICS}`)",
     ]
+    report = results.get("report")
+    if isinstance(report, Mapping):
+        lines += [
+            f"- reward and loss per step (plot): `{report.get('plot')}`",
+            f"- sample answers before and after: `{report.get('samples_md')}`",
+            f"- eval statistics (stderr, paired differences): `{report.get('report')}`",
+        ]
     return "\n".join(lines) + "\n"
 
 
