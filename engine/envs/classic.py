@@ -26,6 +26,7 @@ from engine.envs.client import (
     SamplerClient,
     to_chat_message,
 )
+from engine.envs.reward_errors import reward_errors
 from engine.envs.turns import SamplerFailedError, TurnGenerator
 
 logger = logging.getLogger(__name__)
@@ -139,15 +140,18 @@ class ClassicEnvironment(Environment):
         if not states:
             return
         rubric = self.env.rubric
-        try:
-            if self.env.score_rollouts:
-                await rubric.score_group(states)
-            else:
-                await rubric.dummy_score_group(states)
-        except Exception as exc:  # the rubric is environment code: a failure skips the group
-            logger.warning("env %s: scoring failed: %s", self.name, _describe(exc))
+        with reward_errors(rubric) as swallowed:
+            try:
+                if self.env.score_rollouts:
+                    await rubric.score_group(states)
+                else:
+                    await rubric.dummy_score_group(states)
+            except Exception as exc:  # the rubric is environment code: a failure skips the group
+                swallowed.insert(0, _describe(exc))
+        if swallowed:  # verifiers scores a raising reward function 0.0: a false signal, skip it
+            logger.warning("env %s: scoring failed: %s", self.name, swallowed[0])
             for rollout in rollouts:
-                rollout.error = f"scoring failed: {_describe(exc)}"
+                rollout.error = f"scoring failed: {swallowed[0]}"
             return
         for rollout, state in zip(rollouts, states, strict=True):
             rollout.reward = float(state["reward"])
