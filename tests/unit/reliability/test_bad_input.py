@@ -11,6 +11,7 @@ wrong. The table of cases and outcomes is kept in `docs/reliability.md`; change 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -24,9 +25,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.config.plugin import CustomPluginConfig
 from engine.config.sft import SftDataConfig
-from engine.envs import Rollout, Turn
+from engine.envs import Rollout, Turn, load_environment
 from engine.inference.checkpoints import CheckpointError, local_checkpoint
 from engine.models.char_tokenizer import write_tokenizer
 from engine.models.resolve import ModelPathError, resolve_model
@@ -42,6 +44,7 @@ from storage.layout import RunLayout
 from storage.shard_schema import rows_to_table
 from storage.shards import read_rollouts, shard_name, write_rollouts
 from storage.store import ObjectStore
+from tests.unit.envs.conftest import last_user_text
 from tests.unit.storage.samples import make_row, rows
 
 # --------------------------------------------------------------------------- config (CLI)
@@ -362,6 +365,34 @@ def test_unusable_rollouts_are_counted_and_skipped(bad: Rollout, reason: str) ->
     assert [s.advantage for s in group.samples] == [0.5, -0.5]
 
 
+#: (case id, how the env's reward function misbehaves, skip reason, the rollouts' error or None)
+ENV_CASES: list[tuple[str, str, str, str | None]] = [
+    ("env-reward-function-raises", "raise", "env_error", "scoring failed: reward function broken: reward of an empty answer"),
+    ("env-reward-function-nan", "nan", "nan_reward", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason", "error"), [pytest.param(m, r, e, id=i) for i, m, r, e in ENV_CASES]
+)
+def test_a_misbehaving_reward_function_skips_its_group(
+    mode: str, reason: str, error: str | None, policy: Any, generator: Any
+) -> None:
+    """Played for real: a verifiers env, the tiny tokenizer, a policy that answers correctly."""
+    env = load_environment(
+        EnvConfig(id="tests.unit.reliability.bad_reward_env", args={"reward": mode})
+    )
+    play = generator(policy(last_user_text))
+    played = asyncio.run(
+        env.run_group(env.tasks("train")[0], 2, play, SamplingConfig(max_tokens=16))
+    )
+    assert [r.error for r in played] == [error, error]
+    assert all(len(r.turns) == 1 for r in played)
+    group = build_group(played, group_id=0, temperature=1.0, advantage_fn=group_relative)
+    assert group.skipped == {reason: 2}
+    assert group.samples == []
+
+
 # ----------------------------------------------------------------------- the docs table
 
 
@@ -370,6 +401,11 @@ def test_docs_list_exactly_these_cases() -> None:
     doc = (Path(__file__).resolve().parents[3] / "docs" / "reliability.md").read_text()
     section = doc.split("## 3. Bad input", 1)[1]
     documented = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
-    ids = [c[0] for c in CONFIG_CASES] + [c[0] for c in ERROR_CASES] + [c[0] for c in SKIP_CASES]
+    ids = (
+        [c[0] for c in CONFIG_CASES]
+        + [c[0] for c in ERROR_CASES]
+        + [c[0] for c in SKIP_CASES]
+        + [c[0] for c in ENV_CASES]
+    )
     assert len(ids) == len(set(ids)) >= 40
     assert documented == ids
