@@ -122,11 +122,17 @@ def to_sample(
 
 
 def _read_bytes(path: str) -> bytes:
-    """A local file or an object-store URI (`s3://`, `gs://`, `memory://`, `file://`)."""
-    if "://" not in path:
-        return Path(path).read_bytes()
-    parent, _, name = path.rstrip("/").rpartition("/")
-    return ObjectStore(parent).read_bytes(name)
+    """A local file or an object-store URI (`s3://`, `gs://`, `memory://`, `file://`).
+
+    A missing one is an `SftDataError` naming the setting, not Python's `[Errno 2]` line.
+    """
+    try:
+        if "://" not in path:
+            return Path(path).read_bytes()
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return ObjectStore(parent).read_bytes(name)
+    except FileNotFoundError:
+        raise SftDataError(f"sft.data.path = {path}: no such file") from None
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
