@@ -269,7 +269,7 @@ ERROR_CASES: list[tuple[str, Callable[[Path, Any], None], type[Exception], str]]
     ("model-path-missing", lambda t, _: resolve_model("/no/such/model"), ModelPathError, r"model path /no/such/model does not exist"),
     ("model-path-relative-missing", lambda t, _: resolve_model("./no/such/model"), ModelPathError, r"model path \./no/such/model does not exist"),
     ("model-folder-without-config", lambda t, _: _model_folder_without_config(t), ModelPathError, r"model path .*/model has no config\.json"),
-    ("sft-file-missing", lambda t, tok: load_sft_dataset(SftDataConfig(path=str(t / "none.jsonl")), tok, seq_len=64, seed=0, allow_truncation=False), FileNotFoundError, r".*none\.jsonl.*"),
+    ("sft-file-missing", lambda t, tok: load_sft_dataset(SftDataConfig(path=str(t / "none.jsonl")), tok, seq_len=64, seed=0, allow_truncation=False), SftDataError, r"sft\.data\.path = .*/none\.jsonl: no such file"),
     ("sft-no-columns", lambda t, tok: _sft(t, tok, [{"question": "q", "answer": "a"}]), SftDataError, r".*data\.jsonl row 0: needs `messages` or `prompt` \+ `completion`; has \['question', 'answer'\]"),
     ("sft-missing-completion", lambda t, tok: _sft(t, tok, [{"prompt": "q"}]), SftDataError, r".*data\.jsonl row 0: needs `messages` or `prompt` \+ `completion`; has \['prompt'\]"),
     ("sft-empty-row", lambda t, tok: _sft(t, tok, [{"prompt": "q", "completion": "a"}, {}]), SftDataError, r".*data\.jsonl row 1: needs `messages` or `prompt` \+ `completion`; has \[\]"),
