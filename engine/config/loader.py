@@ -8,6 +8,7 @@ line that names the file or the command line that set the offending key.
 
 from __future__ import annotations
 
+import re
 import tomllib
 import types
 import typing
@@ -164,6 +165,24 @@ def _describe(error: Mapping[str, Any], path: str, tag: str | None) -> str:
     return f"{path}: {message}{shown}" if path else f"{message}{shown}"
 
 
+#: How cross-field checks name the keys they compare: `trainer.seq_len = 128 conflicts with ...`.
+_STATED_KEY = re.compile(r"\b([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*) = ")
+
+
+def _sources_of_stated_keys(message: str, layers: Sequence[tuple[str, list[str]]]) -> list[str]:
+    """The files (or command line) that set the keys a root-level error names as `key = value`.
+
+    A check across sections fails at the root, where the error carries no key path; without
+    this the user would learn which keys clash but not which of their files set them.
+    """
+    sources: list[str] = []
+    for key in _STATED_KEY.findall(message):
+        source = _source_of(key, layers)
+        if source is not None and source not in sources:
+            sources.append(source)
+    return sources
+
+
 def format_validation_error(exc: ValidationError, layers: Sequence[tuple[str, list[str]]]) -> str:
     """One line: where the bad value came from, its key, and what is wrong with it."""
     union_paths = union_field_paths(PrimeflowConfig)
@@ -174,6 +193,8 @@ def format_validation_error(exc: ValidationError, layers: Sequence[tuple[str, li
     line = _describe(first, path, tag)
     if source:
         line = f"{source}: {line}"
+    elif not path and (sources := _sources_of_stated_keys(line, layers)):
+        line = f"{', '.join(sources)}: {line}"
     if len(errors) > 1:
         others = sorted(
             {user_path(e.get("loc", ()), union_paths)[0] or "<root>" for e in errors[1:]}
