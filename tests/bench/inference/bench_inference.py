@@ -11,11 +11,16 @@ prompts as token ids, each sent `--n` times, log-probs and token ids requested) 
 make the server do exactly the same work (vLLM refuses `n > 1` when greedy, hence the repeats);
 prefix caching is off so no run profits from another. Two measurements per round:
 
-- *alone*: each client runs the batch by itself, order alternating between rounds; completion
-  tokens per second of each. On a machine others share this swings with their load.
+- *alone*: each client runs the batch by itself, twice per round in A B B A order; completion
+  tokens per second of each, and the median over rounds of their ratio. On a machine others
+  share this swings with their load.
 - *together*: both clients run the batch at the same moment against the same server; the ratio of
   tokens each completed while both were running. Both see the same load at the same time, so this
   ratio is steady where the alone numbers are not; it is the figure to compare against 1.
+
+- *one at a time*: single requests, alternating between the clients request by request; the
+  paired difference of their latencies is each client's own per-request cost, and load that
+  comes and goes hits both alike.
 
 **Reload latency.** For tiny-Qwen3 shapes of growing size, a server starts on one seed's weights
 and `InferencePool.reload` swaps in another seed's, `--repeats` times; reported is the median
@@ -152,6 +157,32 @@ def tokens_per_s(done: Completions, start: float, until: float) -> float:
     return sum(tokens for finished, tokens in done if finished <= until) / (until - start)
 
 
+async def interleaved_latency(
+    endpoint: Endpoint, api_key: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[float], list[float]]:
+    """One request at a time, alternating clients request by request (ABBA...): per-request
+    latency of each under the same load at the same moment."""
+    sampling = SamplingConfig(temperature=0, max_tokens=max_tokens)
+    body = {"temperature": 0, "max_tokens": max_tokens, "logprobs": 0}
+    latency: dict[str, list[float]] = {"ours": [], "plain": []}
+    plain_client = AsyncOpenAI(base_url=f"{endpoint.base_url}/v1", api_key=api_key, max_retries=0)
+    async with InferenceClient([endpoint], api_key) as ours_client, plain_client:
+        for index, prompt in enumerate(prompts):
+            for name in ("ours", "plain") if index % 2 == 0 else ("plain", "ours"):
+                started = time.perf_counter()
+                if name == "ours":
+                    await ours_client.generate(prompt, sampling)
+                else:
+                    await plain_client.completions.create(
+                        model=endpoint.model,
+                        prompt=prompt,
+                        extra_body={"return_token_ids": True},
+                        **body,  # type: ignore[arg-type]
+                    )
+                latency[name].append(time.perf_counter() - started)
+    return latency["ours"], latency["plain"]
+
+
 def throughput(args: argparse.Namespace, workdir: Path) -> None:
     model = write_tiny_model(workdir / "tiny")
     prompts = [p for p in rollout_prompts(model, args.prompts) for _ in range(args.n)]
@@ -169,11 +200,16 @@ def throughput(args: argparse.Namespace, workdir: Path) -> None:
         for future in warm:
             future.result()
         for index in range(args.rounds):
-            # Alone, one after the other (order alternating): what each client gets by itself.
-            for name in ("ours", "plain") if index % 2 == 0 else ("plain", "ours"):
+            # Alone, one after the other, in A B B A order (B A A B in odd rounds) so that drift
+            # and whichever-runs-first effects fall on both clients alike.
+            first, second = ("ours", "plain") if index % 2 == 0 else ("plain", "ours")
+            runs: dict[str, list[float]] = {"ours": [], "plain": []}
+            for name in (first, second, second, first):
                 start = time.time() + 1.0
                 done = processes.submit(drive, name, *common, start).result()
-                sequential[name].append(tokens_per_s(done, start, max(t for t, _ in done)))
+                runs[name].append(tokens_per_s(done, start, max(t for t, _ in done)))
+            for name, values in runs.items():
+                sequential[name].append(statistics.mean(values))
             # Together, each in its own process: both see the same load at the same moment.
             start = time.time() + 2.0
             futures = {name: processes.submit(drive, name, *common, start) for name in CLIENTS}
@@ -187,18 +223,31 @@ def throughput(args: argparse.Namespace, workdir: Path) -> None:
                 f"{sequential['plain'][-1]:.0f} tok/s; together ours/plain {head_to_head[-1]:.3f}",
                 flush=True,
             )
+        asyncio.run(interleaved_latency(endpoint, key, prompts[:10], 16))  # warm-up
+        ours_s, plain_s = asyncio.run(interleaved_latency(endpoint, key, prompts, 16))
     alone = {name: statistics.median(values) for name, values in sequential.items()}
+    alone_ratios = sorted(
+        o / p for o, p in zip(sequential["ours"], sequential["plain"], strict=True)
+    )
     print(
         f"throughput: {args.prompts} prompts x {args.n} samples, greedy, max_tokens="
         f"{args.max_tokens}, {args.concurrency} requests in flight per client"
     )
     print(
         f"  alone:    ours {alone['ours']:.0f} tok/s, plain OpenAI client {alone['plain']:.0f} "
-        f"tok/s, ratio {alone['ours'] / alone['plain']:.3f}"
+        f"tok/s; ratio median {statistics.median(alone_ratios):.3f} "
+        f"(rounds: {', '.join(f'{r:.3f}' for r in alone_ratios)})"
     )
     print(
         f"  together: ratio median {statistics.median(head_to_head):.3f} "
         f"(rounds: {', '.join(f'{r:.3f}' for r in sorted(head_to_head))})"
+    )
+    diffs = [(o - p) * 1000 for o, p in zip(ours_s, plain_s, strict=True)]
+    ours_ms, plain_ms = statistics.median(ours_s) * 1000, statistics.median(plain_s) * 1000
+    print(
+        f"  one request at a time, interleaved ({len(diffs)} each, max_tokens=16): median "
+        f"latency ours {ours_ms:.1f} ms, plain {plain_ms:.1f} ms; paired difference "
+        f"ours - plain {statistics.median(diffs):+.1f} ms"
     )
 
 

@@ -7,6 +7,7 @@ started here, and tests that reload weights put the base weights back when they 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ class Weights:
     other: Path  # same shapes, other values (seed 1)
     wrong_shape: Path  # another hidden size: must be refused
     truncated: Path  # base with its safetensors file cut short: must be refused
+    untied_base: Path  # an untied-head model and a second checkpoint of it
+    untied_other: Path
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +47,15 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
     shutil.copytree(base, truncated)
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
-    return Weights(base=base, other=other, wrong_shape=wrong, truncated=truncated)
+    untied = TinyModelSpec(init_std=INIT_STD, tie_word_embeddings=False)
+    return Weights(
+        base=base,
+        other=other,
+        wrong_shape=wrong,
+        truncated=truncated,
+        untied_base=write_tiny_model(root / "untied_base", untied),
+        untied_other=write_tiny_model(root / "untied_other", dataclasses.replace(untied, seed=1)),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Server processes never outlive the pool: stop on SIGTERM, die with a SIGKILLed parent.
 
-Each test runs `serve_forever` (what `primeflow inference` runs) in a child process; both
-children start together so their start-ups overlap. A process group counts as gone when no
-live (non-zombie) process is left in it.
+Two child processes start together so their start-ups overlap: one runs `serve_forever` (what
+`primeflow inference` runs) and is stopped with SIGTERM; the other owns a pool on an *untied*
+model, reloads a second checkpoint (the session pool covers the tied case) and is SIGKILLed. A
+process group counts as gone when no live (non-zombie) process is left in it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -24,10 +26,12 @@ from engine.config.inference import InferenceConfig
 from engine.inference.pool import POOL_RECORD, InferencePool, InferencePoolError
 from engine.inference.procs import group_members
 from tests.integration.inference.conftest import Weights
+from tests.integration.inference.reference import greedy, token_logprobs
 
 pytestmark = pytest.mark.integration
 
 START_TIMEOUT_S = 240
+PROMPT = [1, 91, 89, 75, 88, 5, 78, 79, 2, 5, 1, 71, 89, 89, 79, 89, 90, 71, 84, 90, 5]
 CHILD = (
     "import json, sys\n"
     "from engine.config import PrimeflowConfig\n"
@@ -42,24 +46,48 @@ class Child:
 
     process: subprocess.Popen[str]
     logs: Path
+    stderr: Path
+    lines: list[str] = field(default_factory=list)
 
-    def wait_serving(self) -> list[str]:
-        """Lines printed until it says it is serving; fails with its stderr if it dies first."""
-        lines: list[str] = []
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def wait_for(self, last: str) -> list[str]:
+        """Lines printed up to one starting with `last`; fails with its stderr if it dies first.
+
+        The child is killed after START_TIMEOUT_S, which ends a `readline` that would block.
+        """
         assert self.process.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                pytest.fail(f"serve_forever exited: {self.process.stderr.read()}")  # type: ignore[union-attr]
-            lines.append(line.strip())
-            if line.startswith("serving"):
-                return lines
-        pytest.fail("serve_forever did not start in time")
+        watchdog = threading.Timer(START_TIMEOUT_S, self.process.kill)
+        watchdog.start()
+        try:
+            while not any(line.startswith(last) for line in self.lines):
+                line = self.process.stdout.readline()
+                if not line:
+                    pytest.fail(f"child exited: {self.stderr.read_text()[-3000:]}")
+                self.lines.append(line.strip())
+        finally:
+            watchdog.cancel()
+        return self.lines
 
     def pgids(self) -> list[int]:
         record = json.loads((self.logs / POOL_RECORD).read_text())
         return [server["pgid"] for server in record["servers"]]
+
+
+def start_pool_child(weights: Weights, root: Path) -> Child:
+    job = {
+        "base": str(weights.untied_base),
+        "other": str(weights.untied_other),
+        "logs": str(root / "logs"),
+        "prompt": PROMPT,
+        "max_tokens": 16,
+    }
+    with (root / "stderr.log").open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.inference.pool_child", json.dumps(job)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    return Child(process=process, logs=root / "logs", stderr=root / "stderr.log")
 
 
 def start_child(weights: Weights, root: Path) -> Child:
@@ -70,13 +98,14 @@ def start_child(weights: Weights, root: Path) -> Child:
         "seq_len": 512,
         "inference": {"dtype": "float32", "kv_cache_gb": 0.25, "extra_args": ["-O0"]},
     }
-    process = subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    return Child(process=process, logs=root / "serve" / "logs")
+    with (root / "stderr.log").open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    return Child(process=process, logs=root / "serve" / "logs", stderr=root / "stderr.log")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +114,7 @@ def children(
 ) -> Iterator[tuple[Child, Child]]:
     pair = (
         start_child(weights, tmp_path_factory.mktemp("term")),
-        start_child(weights, tmp_path_factory.mktemp("kill")),
+        start_pool_child(weights, tmp_path_factory.mktemp("kill")),
     )
     yield pair
     for child in pair:
@@ -106,7 +135,7 @@ def wait_gone(pgids: list[int], timeout_s: float) -> list[int]:
 
 def test_sigterm_stops_every_server(children: tuple[Child, Child]) -> None:
     child = children[0]
-    lines = child.wait_serving()
+    lines = child.wait_for("serving")
     url = next(line.split(": ", 1)[1] for line in lines if line.startswith("server 0"))
     key = next(line.rsplit(": ", 1)[1] for line in lines if line.startswith("api key"))
     models = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"})
@@ -121,9 +150,24 @@ def test_sigterm_stops_every_server(children: tuple[Child, Child]) -> None:
     assert "Application startup complete" in (child.logs / "inference-0.log").read_text()
 
 
+def test_untied_model_reloads_exactly(children: tuple[Child, Child], weights: Weights) -> None:
+    lines = children[1].wait_for("{")
+    result = json.loads(next(line for line in lines if line.startswith("{")))
+    for key, folder, version in (
+        ("before", weights.untied_base, 0),
+        ("after", weights.untied_other, 1),
+    ):
+        served = result[key]
+        assert served["version"] == version
+        assert served["ids"] == greedy(folder, PROMPT, 16)
+        expected = token_logprobs(folder, PROMPT, served["ids"])
+        assert max(abs(a - b) for a, b in zip(served["logprobs"], expected, strict=True)) < 1e-4
+    assert result["before"]["ids"] != result["after"]["ids"]
+
+
 def test_servers_die_with_their_parent(children: tuple[Child, Child]) -> None:
     child = children[1]
-    child.wait_serving()
+    child.wait_for("{")
     pgids = child.pgids()
     members = [pid for pgid in pgids for pid in group_members(pgid)]
     assert len(members) >= 2  # the API server and at least vLLM's engine process
