@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import PrimeflowConfig, with_overrides
 from engine.run import open_run
-from flows.reproduce import main
+from flows.reproduce import flow_of, main
 from storage.manifest import read_manifest
 
 
@@ -97,3 +97,18 @@ def test_a_missing_manifest_is_one_line_and_a_failure(
 ) -> None:
     assert main([f"file://{tmp_path}/runs/nothing"], dry_run=True) == 1
     assert capsys.readouterr().err.strip().startswith("primeflow reproduce: no manifest at")
+
+
+@pytest.mark.parametrize(
+    ("command", "flow"),
+    [
+        (["prefect", "rl"], "rl"),
+        (["prefect", "sft"], "sft"),
+        (["prefect", "post-train"], "post-train"),
+        (["prefect", "evaluate"], "post-train"),
+        (["primeflow", "pipeline", "@", "x.toml"], "post-train"),
+        (None, "post-train"),
+    ],
+)
+def test_the_recorded_flow_runs_again(command: list[str] | None, flow: str) -> None:
+    assert flow_of({"command": command}) == flow
