@@ -27,26 +27,29 @@ from storage.commit import (
     MARKER,
     CommitRecord,
     FileDigest,
+    HashingWriter,
     begin_step,
     check_digest,
     commit_step,
     digest_bytes,
-    digest_file,
+    download_hashed,
     read_commit,
+    write_hashed,
 )
 from storage.errors import CorruptObjectError, ObjectNotFoundError
 from storage.layout import RunLayout
 from storage.paths import clean_path, join
 from storage.retention import prune_steps
 from storage.store import ObjectStore
-from storage.tensor_files import encode_tensor_files, load_tensor_files, prepare_tensors
+from storage.tensor_files import Pieces, encode_tensor_files, load_tensor_files, prepare_tensors
 
 CONFIG = "config.json"
 WEIGHTS_STEM = "model"
 TRAINER_DIR = "trainer"
 TRAINER_STATE_STEM = f"{TRAINER_DIR}/state"
 PROGRESS = f"{TRAINER_DIR}/progress.json"
-# Bounds the memory a writer needs: one serialised shard at a time.
+# Safetensors files are streamed from the tensors' own memory, so this no longer bounds memory;
+# it is the largest weights file, for loaders and uploads that prefer smaller files.
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 
 
@@ -101,17 +104,29 @@ def write_checkpoint(
         digests[name] = digest_bytes(data)
         store.write_bytes(join(step_dir, name), data)
 
+    def stream(name: str, pieces: Pieces) -> None:
+        """Write a file piece by piece straight into the store, hashing as the bytes pass."""
+        if len(pieces) == 1:
+            put(name, bytes(pieces[0]))
+            return
+
+        def fill(out: HashingWriter) -> None:
+            for piece in pieces:
+                out.write(piece)
+
+        digests[name] = write_hashed(store, join(step_dir, name), fill)
+
     for name, data in extra.items():
         put(name, data)
     put(CONFIG, _json_bytes(config, "config"))
-    for name, data in encode_tensor_files(tensors, WEIGHTS_STEM, max_shard_bytes=max_shard_bytes):
-        put(name, data)
+    for name, pieces in encode_tensor_files(tensors, WEIGHTS_STEM, max_shard_bytes=max_shard_bytes):
+        stream(name, pieces)
     if trainer_state:
         state, _ = prepare_tensors(trainer_state, tie_word_embeddings=False)
-        for name, data in encode_tensor_files(
+        for name, pieces in encode_tensor_files(
             state, TRAINER_STATE_STEM, max_shard_bytes=max_shard_bytes
         ):
-            put(name, data)
+            stream(name, pieces)
     if progress is not None:
         put(PROGRESS, _json_bytes(progress, "progress"))
     return commit_step(
@@ -133,17 +148,20 @@ def _local_record(local_dir: Path) -> CommitRecord | None:
 def _fetch_verified(
     store: ObjectStore, step_dir: str, name: str, expected: FileDigest, folder: Path
 ) -> None:
-    """Download one file into `folder` and prove it matches the marker before it appears."""
+    """Download one file into `folder` and prove it matches the marker before it appears.
+
+    The file is hashed as it is copied, so it is not read a second time to verify it.
+    """
     target = folder / name
     partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex}")
     remote = join(step_dir, name)
     try:
-        store.download_file(remote, partial)
+        actual = download_hashed(store, remote, partial, expected.algorithm)
     except ObjectNotFoundError:
         # The same error a reader of shards gets: the commit is broken, not merely absent.
         raise CorruptObjectError(store.url(remote), f"listed in {MARKER} but missing") from None
     try:
-        check_digest(store.url(remote), digest_file(partial, expected.algorithm), expected)
+        check_digest(store.url(remote), actual, expected)
     except BaseException:
         partial.unlink()
         raise

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import xxhash
 
@@ -50,6 +50,7 @@ _HASHERS: dict[str, Callable[[], _Hasher]] = {
     "sha256": hashlib.sha256,
 }
 _CHUNK = 8 * 2**20
+_WRITE_PIECE = 2**19
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,101 @@ def digest_file(
             hasher.update(chunk)
             size += len(chunk)
     return FileDigest(size=size, checksum=hasher.hexdigest(), algorithm=algorithm)
+
+
+class _SizedHasher:
+    """A hasher that also counts the bytes it has seen."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self.size = 0
+        self._hasher = _HASHERS[algorithm]()
+
+    def update(self, data: Bytes, /) -> None:
+        self._hasher.update(data)
+        self.size += memoryview(data).nbytes
+
+    def digest(self) -> FileDigest:
+        return FileDigest(
+            size=self.size, checksum=self._hasher.hexdigest(), algorithm=self.algorithm
+        )
+
+
+class HashingWriter:
+    """A write-only binary file object that hashes and counts every byte it passes to `raw`.
+
+    Writers stream a file through it into the store and get the digest for `_COMMITTED`
+    without holding the whole file or reading it back. `tell` and `close` make it usable as a
+    `pyarrow.PythonFile` sink; closing it leaves `raw` open (the store closes that).
+    """
+
+    def __init__(self, raw: IO[bytes], algorithm: str = DEFAULT_ALGORITHM) -> None:
+        self._raw = raw
+        self._hasher = _SizedHasher(algorithm)
+        self.closed = False
+
+    def write(self, data: Bytes) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        # Piece by piece, so each is still in the CPU cache when it is written after hashing.
+        for start in range(0, view.nbytes, _WRITE_PIECE):
+            piece = view[start : start + _WRITE_PIECE]
+            self._hasher.update(piece)
+            self._raw.write(piece)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._hasher.size
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def digest(self) -> FileDigest:
+        return self._hasher.digest()
+
+
+def write_hashed(
+    store: ObjectStore,
+    path: str,
+    fill: Callable[[HashingWriter], object],
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> FileDigest:
+    """Stream one object into `store` through a `HashingWriter`; returns its digest.
+
+    `fill` writes the bytes; a retried write calls it again with a fresh hash.
+    """
+
+    def attempt(handle: IO[bytes]) -> FileDigest:
+        writer = HashingWriter(handle, algorithm)
+        fill(writer)
+        return writer.digest()
+
+    return store.write_stream(path, attempt)
+
+
+def download_hashed(
+    store: ObjectStore,
+    path: str,
+    local_path: str | os.PathLike[str],
+    algorithm: str = DEFAULT_ALGORITHM,
+) -> FileDigest:
+    """Download an object to a local file, hashing it as it is copied; returns its digest."""
+    hasher = store.download_file(path, local_path, observer=lambda: _SizedHasher(algorithm))
+    assert isinstance(hasher, _SizedHasher)
+    return hasher.digest()
 
 
 def check_digest(uri: str, actual: FileDigest, expected: FileDigest) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import copy
 import errno
 import functools
+import io
 import os
 import shutil
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
 from storage.backends import Backend, open_backend
 from storage.errors import is_missing_object
@@ -25,6 +26,14 @@ from storage.paths import clean_path
 from storage.retry import RetryPolicy
 
 Bytes = bytes | bytearray | memoryview
+T = TypeVar("T")
+
+
+class ChunkObserver(Protocol):
+    """What `download_file` feeds each chunk to as it passes (a hasher, say)."""
+
+    def update(self, data: memoryview, /) -> object: ...
+
 
 # Prefix of the temporary files that make local writes atomic; listings hide them, so a writer
 # that died mid-write leaves nothing a reader would mistake for data.
@@ -52,6 +61,41 @@ def _replace_atomically(target: str, fill: Callable[[str], None]) -> None:
 def _write_file(path: str, data: Bytes) -> None:
     with open(path, "wb") as handle:
         handle.write(data)
+
+
+# Chunk of a copy that observes its bytes: small enough to stay in the CPU cache between the
+# read, the observer and the write on local disk.
+_LOCAL_CHUNK = 2**20
+_REMOTE_CHUNK = 8 * 2**20
+
+
+def _copy_observed(source: IO[bytes], target: str, observer: ChunkObserver, chunk: int) -> None:
+    """Copy local file `source` into the new file `target`, feeding each chunk to `observer`."""
+    buffer = memoryview(bytearray(chunk))
+    with open(target, "wb") as out:
+        while count := source.readinto(buffer):
+            piece = buffer[:count]
+            observer.update(piece)
+            out.write(piece)
+
+
+def _observe_file(path: str, observer: ChunkObserver, chunk: int) -> None:
+    """Feed local file `path` to `observer`, chunk by chunk."""
+    buffer = memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as source:
+        while count := source.readinto(buffer):
+            observer.update(buffer[:count])
+
+
+def _abandon(handle: Any) -> None:
+    """Drop a half-written object-store file without publishing it (aborts a multipart upload)."""
+    discard = getattr(handle, "discard", None)
+    with suppress(Exception):
+        if callable(discard):
+            discard()
+    # Marked closed so that neither `close` nor the garbage collector completes the upload.
+    with suppress(Exception):
+        handle.closed = True
 
 
 def _is_hidden(path: str) -> bool:
@@ -135,6 +179,53 @@ class ObjectStore:
             payload = data if isinstance(data, bytes | bytearray) else bytes(data)
             self._call(path, lambda full: self._backend.fs.pipe_file(full, payload), writing=True)
 
+    def write_stream(self, path: str, fill: Callable[[IO[bytes]], T]) -> T:
+        """Write one object by streaming into it: `fill(handle)` writes the bytes; its result is
+        returned. Readers see the previous version or the complete new one, as with `write_bytes`.
+
+        On local disk `fill` writes straight into the temporary file that is renamed into place;
+        on S3 and GCS into the filesystem's buffered file object (multipart / resumable upload,
+        published on close, aborted when `fill` fails); `memory://` buffers and puts once. A
+        transient fault repeats the whole write, calling `fill` again from the start, so `fill`
+        must be repeatable (and start any running state, such as a hash, afresh).
+        """
+        clean_path(path, allow_empty=False)
+        fs = self._backend.fs
+
+        def local(full: str) -> T:
+            result: list[T] = []
+
+            def into(tmp: str) -> None:
+                with open(tmp, "wb") as handle:
+                    result.append(fill(handle))
+
+            _replace_atomically(full, into)
+            return result[0]
+
+        def buffered(full: str) -> T:
+            handle = io.BytesIO()
+            result = fill(handle)
+            fs.pipe_file(full, handle.getvalue())
+            return result
+
+        def remote(full: str) -> T:
+            handle = fs.open(full, "wb")
+            try:
+                result = fill(handle)
+            except BaseException:
+                _abandon(handle)
+                raise
+            handle.close()
+            return result
+
+        if self._backend.is_local:
+            attempt = local
+        elif self.protocol == "memory":
+            attempt = buffered
+        else:
+            attempt = remote
+        return self._call(path, attempt, writing=True)
+
     def read_bytes(self, path: str) -> bytes:
         """The whole object."""
         return self._call(path, lambda full: self._backend.fs.cat_file(full))
@@ -204,12 +295,43 @@ class ObjectStore:
         else:
             self._call(path, lambda full: self._backend.fs.put_file(source, full), writing=True)
 
-    def download_file(self, path: str, local_path: str | os.PathLike[str]) -> None:
-        """Copy the object to a local file; the file appears complete or not at all."""
+    def download_file(
+        self,
+        path: str,
+        local_path: str | os.PathLike[str],
+        *,
+        observer: Callable[[], ChunkObserver] | None = None,
+    ) -> ChunkObserver | None:
+        """Copy the object to a local file; the file appears complete or not at all.
+
+        With `observer` (a factory, e.g. a hasher class), every chunk is fed to a fresh
+        observer's `update` before the file appears, and that observer is returned. On local
+        disk that happens as it is copied (read, observe, write: one pass, where hashing the
+        finished file would read it all again); from an object store the object comes in one
+        streaming GET and the local copy is then read once for the observer. Without, the copy
+        is the backend's own (an in-kernel copy on local disk) and None is returned.
+        """
         target = os.path.abspath(os.fspath(local_path))
-        self._call(
-            path,
-            lambda full: _replace_atomically(
-                target, lambda tmp: self._backend.fs.get_file(full, tmp)
-            ),
-        )
+        fs = self._backend.fs
+
+        def copy(full: str) -> ChunkObserver | None:
+            if observer is None:
+                _replace_atomically(target, lambda tmp: fs.get_file(full, tmp))
+                return None
+            watching = observer()
+            if self._backend.is_local:
+                with open(full, "rb", buffering=0) as local:
+                    _replace_atomically(
+                        target, lambda tmp: _copy_observed(local, tmp, watching, _LOCAL_CHUNK)
+                    )
+            else:
+                # One streaming GET, then a pass over the local copy: measured on moto S3, one
+                # ranged GET per chunk to hash on the way costs more than re-reading the file.
+                def fetch(tmp: str) -> None:
+                    fs.get_file(full, tmp)
+                    _observe_file(tmp, watching, _REMOTE_CHUNK)
+
+                _replace_atomically(target, fetch)
+            return watching
+
+        return self._call(path, copy)

@@ -2,18 +2,56 @@
 
 Tensors cross storage only as safetensors, never pickles. The Hugging Face layout
 (`model.safetensors`, or `model-00001-of-00003.safetensors` + `model.safetensors.index.json`)
-is what `transformers` and vLLM load without conversion. Shards are produced one at a time so
-that a writer holds at most one serialised shard in memory.
+is what `transformers` and vLLM load without conversion.
+
+Files are streamed rather than serialised: each is described as its pieces — the 8-byte header
+length, the JSON header, then every tensor's own memory — which a writer passes straight to the
+destination, so no copy of the file is ever built (`safetensors.torch.save` copies every tensor
+into one buffer the size of the file first). The bytes are exactly the ones `save` produces:
+same header (tensors ordered by descending dtype, then name; padded with spaces to 8 bytes),
+same data layout.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
+
+# safetensors' dtype names, in the order of its `Dtype` enum: a file lists (and lays out) its
+# tensors by descending dtype in this order, then by name. Dtypes this torch lacks are skipped.
+_DTYPE_ORDER = (
+    ("bool", "BOOL"),
+    ("uint8", "U8"),
+    ("int8", "I8"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("int16", "I16"),
+    ("uint16", "U16"),
+    ("float16", "F16"),
+    ("bfloat16", "BF16"),
+    ("int32", "I32"),
+    ("uint32", "U32"),
+    ("float32", "F32"),
+    ("complex64", "C64"),
+    ("float64", "F64"),
+    ("int64", "I64"),
+    ("uint64", "U64"),
+)
+_DTYPES: dict[torch.dtype, tuple[int, str]] = {
+    getattr(torch, attr): (rank, name)
+    for rank, (attr, name) in enumerate(_DTYPE_ORDER)
+    if hasattr(torch, attr)
+}
+# Pieces of one file: header length and header, then each tensor's bytes, in file order.
+Pieces = list[bytes | memoryview]
 
 # safetensors files carry this so that transformers accepts them as PyTorch weights.
 _METADATA = {"format": "pt"}
@@ -88,24 +126,65 @@ def _plan(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[lis
     return shards
 
 
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's own memory as bytes, without a copy (it is contiguous on the CPU)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def safetensors_pieces(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> Pieces:
+    """The pieces of the safetensors file `safetensors.torch.save(tensors, metadata)` would
+    return, whose concatenation is byte for byte that file; tensors are not copied.
+
+    Tensors must not share memory (see `prepare_tensors`). A dtype this module does not know,
+    or a big-endian machine, falls back to `save` (one piece).
+    """
+    if sys.byteorder != "little" or any(t.dtype not in _DTYPES for t in tensors.values()):
+        return [save(dict(tensors), metadata=dict(metadata) if metadata else None)]
+    names = sorted(tensors, key=lambda name: (-_DTYPES[tensors[name].dtype][0], name))
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pieces: Pieces = []
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        data = _raw_bytes(tensor)
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype][1],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        offset += data.nbytes
+        pieces.append(data)
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *pieces]
+
+
 def encode_tensor_files(
     tensors: Mapping[str, torch.Tensor], stem: str, *, max_shard_bytes: int
-) -> Iterator[tuple[str, bytes]]:
-    """Yield (file name, bytes) of the safetensors set for `tensors`, one shard at a time."""
+) -> Iterator[tuple[str, Pieces]]:
+    """Yield (file name, pieces) of the safetensors set for `tensors`, one shard at a time.
+
+    Writing a file's pieces in order writes the file; the pieces are views of the tensors.
+    """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     plan = _plan(tensors, max_shard_bytes)
     if len(plan) == 1:
-        yield f"{stem}.safetensors", save({n: tensors[n] for n in plan[0]}, metadata=_METADATA)
+        yield f"{stem}.safetensors", safetensors_pieces(tensors, _METADATA)
         return
     weight_map: dict[str, str] = {}
     for number, names in enumerate(plan, start=1):
         file_name = f"{stem}-{number:05d}-of-{len(plan):05d}.safetensors"
         weight_map.update(dict.fromkeys(names, file_name.rsplit("/", 1)[-1]))
-        yield file_name, save({n: tensors[n] for n in names}, metadata=_METADATA)
+        yield file_name, safetensors_pieces({n: tensors[n] for n in names}, _METADATA)
     total = sum(_tensor_bytes(tensor) for tensor in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    yield index_name(stem), json.dumps(index, indent=2, sort_keys=True).encode()
+    yield index_name(stem), [json.dumps(index, indent=2, sort_keys=True).encode()]
 
 
 def load_tensor_files(folder: Path, stem: str) -> dict[str, torch.Tensor]:

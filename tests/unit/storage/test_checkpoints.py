@@ -219,3 +219,72 @@ def test_steps_to_delete(kwargs: dict, expected: list[int]) -> None:
 def test_retention_never_deletes_the_newest_step() -> None:
     with pytest.raises(ValueError, match="keep_last"):
         steps_to_delete([1, 2], keep_last=0)
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    """One tensor of every dtype the streamed writer knows, plus scalars and empty shapes."""
+    from storage.tensor_files import _DTYPES
+
+    generator = torch.Generator().manual_seed(3)
+    tensors: dict[str, torch.Tensor] = {}
+    for number, dtype in enumerate(_DTYPES):
+        values = torch.randn(3, 5, generator=generator) * 10
+        if dtype.is_complex:
+            tensors[f"w{number % 3}.{dtype}"] = torch.complex(values, values).to(dtype)
+        else:
+            tensors[f"w{number % 3}.{dtype}"] = values.to(dtype)
+    tensors["scalar.bf16"] = torch.tensor(2.5, dtype=torch.bfloat16)
+    tensors["scalar.i64"] = torch.tensor(7)
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["empty.bf16"] = torch.zeros(3, 0, dtype=torch.bfloat16)
+    tensors["naïve"] = torch.ones(2, dtype=torch.bfloat16)
+    return tensors
+
+
+@pytest.mark.parametrize("metadata", [{"format": "pt"}, None], ids=["metadata", "none"])
+def test_streamed_safetensors_are_the_bytes_safetensors_writes(metadata: dict | None) -> None:
+    from safetensors.torch import save
+
+    from storage.tensor_files import safetensors_pieces
+
+    tensors = _every_dtype()
+    streamed = b"".join(bytes(piece) for piece in safetensors_pieces(tensors, metadata))
+    assert streamed == save(tensors, metadata=metadata)
+
+
+def test_streamed_checkpoint_loads_back_equal_with_safetensors(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    tensors = _every_dtype()
+    embed = torch.randn(16, 8).to(torch.bfloat16)
+    weights = {**tensors, "model.embed_tokens.weight": embed, "lm_head.weight": embed}
+    config = {"model_type": "test", "tie_word_embeddings": True}
+    record = write_checkpoint(store, 2, weights=weights, config=config)
+    assert record.meta["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    local = fetch_checkpoint(store, 2, tmp_path / "c")
+    loaded = load_file(local / "model.safetensors")
+    assert loaded.keys() == weights.keys() - {"lm_head.weight"}
+    for name, tensor in loaded.items():
+        assert tensor.dtype == weights[name].dtype and tensor.shape == weights[name].shape
+        assert torch.equal(tensor, weights[name]), name
+    restored = load_checkpoint_weights(local)
+    assert restored["lm_head.weight"] is restored["model.embed_tokens.weight"]
+
+
+def test_streamed_shards_load_back_equal_with_safetensors(
+    file_store: ObjectStore, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    tensors = _every_dtype()
+    write_checkpoint(file_store, 3, weights=tensors, config={"model_type": "t"}, max_shard_bytes=64)
+    local = fetch_checkpoint(file_store, 3, tmp_path / "c")
+    index = json.loads((local / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded: dict[str, torch.Tensor] = {}
+    for file_name in set(index["weight_map"].values()):
+        loaded.update(load_file(local / file_name))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)

@@ -230,3 +230,42 @@ def test_stores_survive_pickling_with_their_settings(memory_store: ObjectStore) 
     assert copy.read_bytes("x") == b"1"
     s3 = ObjectStore("s3://bucket/p", endpoint_url="http://127.0.0.1:9", retries=2)
     assert repr(pickle.loads(pickle.dumps(s3.child("a")))) == repr(s3.child("a"))
+
+
+def test_write_stream_is_atomic_and_retries_from_the_start(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    import xxhash
+
+    from storage.commit import download_hashed, write_hashed
+
+    calls: list[int] = []
+
+    def fill(out) -> None:
+        calls.append(1)
+        out.write(b"first ")
+        if len(calls) == 1:
+            raise ConnectionResetError("dropped")  # transient: the whole write is repeated
+        out.write(memoryview(b"second"))
+
+    digest = write_hashed(store, "s/obj", fill)
+    assert len(calls) == 2
+    assert store.read_bytes("s/obj") == b"first second"
+    assert digest.size == 12 and digest.checksum == xxhash.xxh3_128(b"first second").hexdigest()
+    assert store.list("s") == ["obj"]
+
+    def broken(out) -> None:
+        out.write(b"partial")
+        raise ValueError("a bug in the writer")
+
+    with pytest.raises(ValueError, match="a bug"):
+        write_hashed(store, "s/obj", broken)
+    assert store.read_bytes("s/obj") == b"first second"  # the old version stays whole
+    assert store.list("s") == ["obj"]
+
+    fetched = download_hashed(store, "s/obj", tmp_path / "copy")
+    assert fetched == digest
+    assert (tmp_path / "copy").read_bytes() == b"first second"
+    with pytest.raises(FileNotFoundError):
+        download_hashed(store, "s/missing", tmp_path / "missing")
+    assert not (tmp_path / "missing").exists()
