@@ -15,12 +15,13 @@ masters sharded across ranks, gathered as bf16 for compute, with gradients reduc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from itertools import pairwise
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from engine.models import resolve_model
@@ -149,15 +150,30 @@ def compile_blocks(policy: PolicyModel) -> None:
 
 
 def shard(policy: PolicyModel, mesh: DeviceMesh, compute: torch.dtype) -> None:
-    """FSDP2: one unit per block, then the root (embeddings, norm, LM head)."""
+    """FSDP2: one unit per block, then the root (embeddings, norm, LM head).
+
+    The last block keeps its gathered parameters after forward: backward needs them first, so
+    freeing and gathering them again would only add an all-gather that nothing hides (as
+    torchtitan; FSDP2 already does this for the root). Each unit's all-gather is issued
+    explicitly one unit ahead, in forward (block i gathers block i + 1 before its own compute)
+    and in backward (block i gathers block i - 1), so that it overlaps the current unit's compute.
+    """
     policy_kwargs: dict[str, Any] = {}
     if compute != torch.float32:
         policy_kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute, reduce_dtype=torch.float32
         )
-    for block in policy.blocks:
-        fully_shard(block, mesh=mesh, **policy_kwargs)
+    blocks = list(policy.blocks)
+    for index, block in enumerate(blocks):
+        last = index == len(blocks) - 1
+        fully_shard(block, mesh=mesh, reshard_after_forward=not last, **policy_kwargs)
     fully_shard(policy, mesh=mesh, **policy_kwargs)
+    units = [cast(FSDPModule, block) for block in blocks]
+    if units:
+        cast(FSDPModule, policy).set_modules_to_forward_prefetch(units[:1])
+    for previous, unit in pairwise(units):
+        previous.set_modules_to_forward_prefetch([unit])
+        unit.set_modules_to_backward_prefetch([previous])
 
 
 def build_policy(
