@@ -45,3 +45,11 @@ class SftConfig(BaseConfig):
     optim: OptimizerConfig = OptimizerConfig(lr=3e-3)
     scheduler: SchedulerConfig = ConstantSchedulerConfig()
     eval_interval: Annotated[int, Field(ge=1, description="Eval loss every N steps.")] = 50
+    checkpoint_interval: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Commit an SFT checkpoint every N steps, and always at the last one "
+            "(retention follows trainer.checkpoint).",
+        ),
+    ] = 50

@@ -147,7 +147,11 @@ class Trainer:
         )
 
     def should_checkpoint(self, step: int) -> bool:
-        return step % self.config.trainer.checkpoint.interval == 0 or step == self.max_steps
+        if self.stage == "sft":
+            interval = self.config.sft.checkpoint_interval
+        else:
+            interval = self.config.trainer.checkpoint.interval
+        return step % interval == 0 or step == self.max_steps
 
     def resume(self) -> tuple[int, dict[str, Any]]:
         """(first step to run, data position) from the newest committed checkpoint."""

@@ -33,13 +33,14 @@ def test_sft_learns_evaluates_and_resumes(tmp_path: Path, tiny_model_dir: Path) 
                 "seq_len": 128,
                 "trainer": {
                     "micro_batch_tokens": 256,
-                    "checkpoint": {"interval": 5, "keep_last": 2},
+                    "checkpoint": {"keep_last": 2},
                 },
                 "sft": {
                     "data": {"path": str(tmp_path / "data.jsonl"), "eval_fraction": 0.1},
                     "batch_size": 16,
                     "max_steps": max_steps,
                     "eval_interval": 5,
+                    "checkpoint_interval": 5,
                     "optim": {"lr": 3e-3, "weight_decay": 0.0},
                 },
             }
