@@ -22,6 +22,7 @@ from tests.integration.servers import (
     start_moto,
     start_seaweed,
 )
+from tests.integration.vllm import pool, weights  # noqa: F401  (shared vLLM server fixtures)
 
 # gcsfs >= 2025 swaps in `ExtendedGcsFileSystem` at import time unless this is off; it asks a
 # gRPC control plane for each bucket's layout, which an emulator does not serve, and waits 60 s

@@ -25,8 +25,8 @@ import pytest
 from engine.config.inference import InferenceConfig
 from engine.inference.pool import POOL_RECORD, InferencePool, InferencePoolError
 from engine.inference.procs import group_members
-from tests.integration.inference.conftest import Weights
 from tests.integration.inference.reference import greedy, token_logprobs
+from tests.integration.vllm import Weights
 
 pytestmark = pytest.mark.integration
 

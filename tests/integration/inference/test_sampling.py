@@ -19,8 +19,8 @@ from engine.inference.client import InferenceClient, InferenceError
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from engine.inference.ports import free_port
-from tests.integration.inference.conftest import MAX_MODEL_LEN, Weights
 from tests.integration.inference.reference import greedy, token_logprobs
+from tests.integration.vllm import MAX_MODEL_LEN, Weights
 
 pytestmark = pytest.mark.integration
 
