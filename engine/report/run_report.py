@@ -241,68 +241,110 @@ def _eval_position(name: str, step: int, sft_steps: int) -> int:
     return sft_steps + step
 
 
+def _eval_points(
+    stats: Mapping[str, Mapping[str, Any]], mode: str, sft_steps: int
+) -> list[tuple[int, Mapping[str, Any], str]]:
+    return [
+        (_eval_position(name, entry["step"], sft_steps), entry[mode], name)
+        for name, entry in stats.items()
+        if entry.get(mode)
+    ]
+
+
+_EVAL_STYLES = {"sampled": ("o", "tab:red"), "greedy": ("s", "tab:green")}
+
+
+def _draw_evals(
+    ax: Any,
+    stats: Mapping[str, Mapping[str, Any]],
+    sft_steps: int,
+    shift: int = 0,
+    annotate: bool = False,
+) -> None:
+    """Eval means ± one standard error; labels above the higher point of a policy, below the
+    lower one, so they never overlap."""
+    points = {mode: _eval_points(stats, mode, sft_steps) for mode in _EVAL_STYLES}
+    for mode, (marker, color) in _EVAL_STYLES.items():
+        if not points[mode]:
+            continue
+        ax.errorbar(
+            [x - shift for x, _, _ in points[mode]],
+            [value["mean"] for _, value, _ in points[mode]],
+            yerr=[0.0 if math.isnan(v["stderr"]) else v["stderr"] for _, v, _ in points[mode]],
+            fmt=marker,
+            color=color,
+            capsize=4,
+            markersize=7,
+            label=f"held-out eval, {mode} (± stderr)",
+        )
+    if not annotate:
+        return
+    by_policy: dict[str, list[tuple[str, int, float]]] = {}
+    for mode, entries in points.items():
+        for x, value, name in entries:
+            by_policy.setdefault(name, []).append((mode, x - shift, value["mean"]))
+    for name, entries in by_policy.items():
+        entries.sort(key=lambda entry: entry[2])
+        for rank, (mode, x, mean) in enumerate(entries):
+            above = rank == len(entries) - 1
+            ax.annotate(
+                f"{name} {mean:.3f}",
+                (x, mean),
+                textcoords="offset points",
+                xytext=(6, 6 if above else -13),
+                fontsize=8,
+                color=_EVAL_STYLES[mode][1],
+            )
+
+
 def plot_png(
     metrics: Mapping[str, Sequence[Mapping[str, Any]]],
     stats: Mapping[str, Mapping[str, Any]],
     sft_steps: int,
     title: str,
 ) -> bytes:
-    """The reward/loss figure as PNG bytes (matplotlib's Agg canvas; no global backend)."""
+    """The reward/loss figure as PNG bytes (matplotlib's Agg canvas; no global backend).
+
+    Top left: reward over every step (SFT shaded, then RL). Top right: the RL steps alone, so
+    a small RL gain is visible next to a long SFT. Bottom: SFT loss and RL loss.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 7), dpi=110, layout="constrained")
+    figure = Figure(figsize=(12, 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    reward_ax, loss_ax = figure.subplots(2, 1, sharex=True)
+    axes = figure.subplot_mosaic([["all", "rl"], ["loss", "loss"]], width_ratios=[3, 2])
+    reward_ax, zoom_ax, loss_ax = axes["all"], axes["rl"], axes["loss"]
     for ax in (reward_ax, loss_ax):
         if sft_steps:
             ax.axvspan(0, sft_steps, color="0.93", zorder=0)
             ax.axvline(sft_steps, color="0.6", linewidth=0.8, zorder=1)
+    for ax in (reward_ax, zoom_ax, loss_ax):
         ax.grid(alpha=0.3)
+    figure.suptitle(title)
 
-    xs, ys = _series(metrics.get("orchestrator", []), "reward/mean", sft_steps)
-    if xs:
-        reward_ax.plot(xs, ys, color="tab:blue", alpha=0.35, linewidth=1)
-        reward_ax.plot(
-            xs,
-            _moving_average(ys, 5),
-            color="tab:blue",
-            linewidth=2,
-            label="RL training batches (mean, 5-step average)",
-        )
-    styles = {"sampled": ("o", "tab:red"), "greedy": ("s", "tab:green")}
-    for mode, (marker, color) in styles.items():
-        points = [
-            (_eval_position(name, entry["step"], sft_steps), entry[mode], name)
-            for name, entry in stats.items()
-            if entry.get(mode)
-        ]
-        if not points:
-            continue
-        reward_ax.errorbar(
-            [p[0] for p in points],
-            [p[1]["mean"] for p in points],
-            yerr=[0.0 if math.isnan(p[1]["stderr"]) else p[1]["stderr"] for p in points],
-            fmt=marker,
-            color=color,
-            capsize=4,
-            markersize=7,
-            label=f"held-out eval, {mode}",
-        )
-        for x, value, name in points:
-            reward_ax.annotate(
-                f"{name} {value['mean']:.2f}",
-                (x, value["mean"]),
-                textcoords="offset points",
-                xytext=(6, -12 if mode == "greedy" else 6),
-                fontsize=8,
-                color=color,
+    xs, ys = _series(metrics.get("orchestrator", []), "reward/mean")
+    for ax, shift in ((reward_ax, sft_steps), (zoom_ax, 0)):
+        if xs:
+            ax.plot([x + shift for x in xs], ys, color="tab:blue", alpha=0.35, linewidth=1)
+            ax.plot(
+                [x + shift for x in xs],
+                _moving_average(ys, 5),
+                color="tab:blue",
+                linewidth=2,
+                label="RL training batches (5-step average)",
             )
+    _draw_evals(reward_ax, stats, sft_steps)
+    rl_stats = {name: entry for name, entry in stats.items() if name != "base"}
+    _draw_evals(zoom_ax, rl_stats, sft_steps, shift=sft_steps, annotate=True)
     reward_ax.set_ylabel("reward")
     reward_ax.set_ylim(-0.02, 1.02)
-    reward_ax.set_title(title)
-    if reward_ax.get_legend_handles_labels()[0]:
-        reward_ax.legend(loc="lower right", fontsize=8)
+    reward_ax.set_xlabel(f"step (SFT 1-{sft_steps} shaded, then RL)" if sft_steps else "RL step")
+    zoom_ax.set_xlabel("RL step (SFT result at 0)")
+    zoom_ax.set_title("RL steps", fontsize=10)
+    for ax, where in ((reward_ax, "lower right"), (zoom_ax, "lower right")):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc=where, fontsize=7)
 
     xs, ys = _series(metrics.get("sft", []), "loss")
     if xs:
@@ -320,10 +362,8 @@ def plot_png(
         more_handles, more_labels = rl_ax.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     if handles:
-        loss_ax.legend(handles, labels, loc="upper right", fontsize=8)
-    loss_ax.set_xlabel(
-        f"optimizer step (shaded: SFT steps 1-{sft_steps}; then RL)" if sft_steps else "RL step"
-    )
+        loss_ax.legend(handles, labels, loc="upper center", fontsize=8)
+    loss_ax.set_xlabel(f"step (SFT 1-{sft_steps} shaded, then RL)" if sft_steps else "RL step")
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     return buffer.getvalue()
