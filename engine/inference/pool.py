@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,6 +75,9 @@ class InferencePool:
         self._model_path: str | None = None
         self._served_folder: Path | None = None
         self._current_folder: Path | None = None
+        # One reload at a time (fetch included): interleaved ones could mix versions across
+        # servers or race for the same cache folder.
+        self._reload_lock = threading.Lock()
         self._pipe_write: int | None = None
         self._pipe_read: int | None = None
 
@@ -126,6 +130,9 @@ class InferencePool:
             for server in self._servers:
                 with self._control(server) as http:
                     _set_version(http, 0)
+        except (ReloadError, httpx.HTTPError) as exc:
+            self.stop()
+            raise InferencePoolError(f"a server started but did not take commands: {exc}") from exc
         except BaseException:
             self.stop()
             raise
@@ -257,11 +264,16 @@ class InferencePool:
             version = checkpoint_step(location)
             if version is None:
                 raise ReloadError(f"no version given and none in the name of {location}")
-        try:
-            folder = local_checkpoint(location, self.cache_dir)
-            check_compatible(self._served(), folder)
-        except (OSError, ValueError) as exc:
-            raise ReloadError(f"cannot reload {location}: {exc}") from exc
+        with self._reload_lock:
+            try:
+                folder = local_checkpoint(location, self.cache_dir)
+                check_compatible(self._served(), folder)
+            except (OSError, ValueError) as exc:
+                raise ReloadError(f"cannot reload {location}: {exc}") from exc
+            return self._reload_all(location, folder, version)
+
+    def _reload_all(self, location: str, folder: Path, version: int) -> int:
+        """Swap `folder` into every server; on any failure put the switched ones back."""
         previous_version = self.policy_version
         previous_folder = self._current_folder or self._served()
         with ThreadPoolExecutor(max_workers=len(self._servers)) as executor:

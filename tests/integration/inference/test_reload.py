@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -22,8 +23,8 @@ from engine.inference.client import InferenceClient, Sample
 from engine.inference.pool import InferencePool, ReloadError
 from storage.checkpoints import write_checkpoint
 from storage.store import ObjectStore
-from tests.integration.inference.conftest import Weights
 from tests.integration.inference.reference import greedy, token_logprobs
+from tests.integration.vllm import Weights
 
 pytestmark = pytest.mark.integration
 
@@ -121,25 +122,50 @@ def test_server_itself_refuses_a_bad_checkpoint(base_pool: InferencePool, weight
     assert_serves(base_pool, weights.base, long_prompt(weights), version=0)
 
 
+def test_concurrent_reloads_take_turns(base_pool: InferencePool, weights: Weights) -> None:
+    """Reloads from several threads are serialised: the last one to run is what serves."""
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        versions = list(
+            executor.map(
+                lambda version: base_pool.reload(
+                    weights.other if version % 2 else weights.base, version=version
+                ),
+                [1, 2, 3, 4, 5, 6, 7, 8],
+            )
+        )
+    assert versions == [1, 2, 3, 4, 5, 6, 7, 8]
+    final = base_pool.policy_version
+    assert weight_version(base_pool) == str(final)
+    served = weights.other if final % 2 else weights.base
+    assert_serves(base_pool, served, long_prompt(weights), version=final)
+
+
 def test_requests_in_flight_keep_the_oldest_version(
     base_pool: InferencePool, weights: Weights
 ) -> None:
-    """Requests sent before a reload are stamped with the version they started on."""
-    prompts = [long_prompt(weights)[: 20 + i] for i in range(32)]
-    sampling = SamplingConfig(temperature=1.0, max_tokens=200)
+    """Requests sent before a reload are stamped with the version they started on.
 
-    async def scenario() -> tuple[list[list[Sample]], list[Sample], int]:
-        # A cap above 32 × 4 sequences sends every request at once, before the reload.
-        async with InferenceClient.from_pool(base_pool, max_concurrent=128) as client:
-            before = asyncio.create_task(client.generate_batch(prompts, sampling, n=4))
-            await asyncio.sleep(0.3)
+    Greedy prompts that run to `max_tokens` on the base weights (found by asking the server)
+    guarantee requests that are still decoding when the reload happens.
+    """
+    candidates = [long_prompt(weights)[: 20 + i] for i in range(32)]
+    long_run = SamplingConfig(temperature=0, max_tokens=300)
+
+    async def scenario() -> tuple[list[list[Sample]], list[Sample], bool]:
+        async with InferenceClient.from_pool(base_pool, max_concurrent=64) as client:
+            probes = await client.generate_batch(candidates, long_run)
+            running = [p for p, (s,) in zip(candidates, probes, strict=True) if s.is_truncated]
+            assert running, "no greedy prompt decodes to max_tokens on the base weights"
+            busy = (running * 32)[:32]  # 32 x 300 decode steps: seconds of work
+            before = asyncio.create_task(client.generate_batch(busy, long_run))
+            await asyncio.sleep(0.05)  # let the requests reach the server
             await asyncio.to_thread(base_pool.reload, weights.other)
-            pending = 0 if before.done() else 1
-            after = await client.generate(prompts[0], SamplingConfig(max_tokens=4))
-            return await before, after, pending
+            in_flight = not before.done()
+            after = await client.generate(running[0], SamplingConfig(max_tokens=4))
+            return await before, after, in_flight
 
-    before, after, pending = asyncio.run(scenario())
-    assert pending == 1  # the reload really happened while requests were in flight
+    before, after, in_flight = asyncio.run(scenario())
+    assert in_flight  # the reload really happened while those requests were decoding
     assert {s.policy_version for group in before for s in group} == {0}
     assert all(len(s.completion_ids) == len(s.logprobs) > 0 for group in before for s in group)
     assert [s.policy_version for s in after] == [1]
