@@ -145,7 +145,8 @@ class WeightReloadExtension:
         problem = signature_mismatch(self._primeflow_reference, found, tied=tied)
         if problem:
             raise ValueError(f"checkpoint {path} does not fit the served model: {problem}")
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
+        # The worker's own `reload_weights` sets vLLM's current config around the runner's.
+        self.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=iterate_weights(path), is_checkpoint_format=True
         )
         repacked = repack_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
