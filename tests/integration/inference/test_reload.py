@@ -156,8 +156,10 @@ def test_requests_in_flight_keep_the_oldest_version(
             probes = await client.generate_batch(candidates, long_run)
             running = [p for p, (s,) in zip(candidates, probes, strict=True) if s.is_truncated]
             assert running, "no greedy prompt decodes to max_tokens on the base weights"
-            busy = (running * 32)[:32]  # 32 x 300 decode steps: seconds of work
-            before = asyncio.create_task(client.generate_batch(busy, long_run))
+            # 64 x 600 decode steps: many seconds of work, even on a fast idle machine.
+            busy = (running * 64)[:64]
+            busy_run = SamplingConfig(temperature=0, max_tokens=600)
+            before = asyncio.create_task(client.generate_batch(busy, busy_run))
             await asyncio.sleep(0.05)  # let the requests reach the server
             await asyncio.to_thread(base_pool.reload, weights.other)
             in_flight = not before.done()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig
@@ -66,6 +66,8 @@ def test_reverse_text_steps_commit_token_exact_shards(
     assert run_orchestrator(config, pool) == 0
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    # The server stops on every id the model's generation config lists (end of turn and text).
+    stop_ids = set(GenerationConfig.from_pretrained(tiny_model).eos_token_id)
     tasks = load_environment(env_config).tasks("train")
     for step in (1, 2, 3):
         rows = rows_of(config, step)
@@ -84,7 +86,7 @@ def test_reverse_text_steps_commit_token_exact_shards(
             assert tokenizer.decode(ids[:completion_start]) == expected_prompt
             assert row["prompt_text"] + row["completion_text"] == tokenizer.decode(ids)
             assert row["temperature"] == 1.0
-            truncated = len(ids) - completion_start == 24 and ids[-1] != tokenizer.eos_token_id
+            truncated = len(ids) - completion_start == 24 and ids[-1] not in stop_ids
             assert row["is_truncated"] == truncated
         for members in groups.values():
             assert len(members) == 4 and len({m["example_id"] for m in members}) == 1
