@@ -1,0 +1,145 @@
+"""The shipped configs under configs/: each resolves (`--dry-run`), and each says what it claims.
+
+Every TOML file under configs/ must appear in `COMBINATIONS` (overlays composed on the file
+they extend), so a new config is validated the day it lands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import PrimeflowConfig, load_config
+from engine.envs.reverse_text import make_splits, prompt_messages, sft_examples
+from engine.models.char_tokenizer import write_tokenizer
+from flows.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = ROOT / "configs"
+
+#: (command, config files composed left to right): every shipped config and overlay.
+COMBINATIONS: list[tuple[str, tuple[str, ...]]] = [
+    ("pipeline", ("reverse_text/pipeline.toml",)),
+    ("pipeline", ("debug/tiny.toml",)),
+    ("pipeline", ("reverse_text/pipeline.toml", "debug/storage_s3.toml")),
+    ("sft", ("debug/sft.toml",)),
+    ("rl", ("debug/rl.toml",)),
+    ("pipeline", ("qwen3_0_6b/reverse_text.toml",)),
+    ("pipeline", ("qwen3_0_6b/reverse_text.toml", "qwen3_0_6b/one_gpu.toml")),
+]
+
+
+def _args(files: tuple[str, ...]) -> list[str]:
+    return [token for file in files for token in ("@", str(CONFIGS / file))]
+
+
+def load(*files: str) -> PrimeflowConfig:
+    return load_config(_args(files))
+
+
+def test_every_shipped_config_is_covered() -> None:
+    shipped = {str(path.relative_to(CONFIGS)) for path in CONFIGS.rglob("*.toml")}
+    covered = {file for _, files in COMBINATIONS for file in files}
+    assert shipped == covered
+
+
+@pytest.mark.parametrize(("command", "files"), COMBINATIONS, ids=lambda v: str(v))
+def test_dry_run_resolves(command: str, files: tuple[str, ...], capsys) -> None:
+    assert main([command, *_args(files), "--dry-run"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert PrimeflowConfig.model_validate(resolved).model_dump(mode="json") == resolved
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(folder, model_max_length=4096)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _prompt_len(tokenizer, text: str) -> int:
+    ids = tokenizer.apply_chat_template(
+        prompt_messages(text), tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return len(ids)
+
+
+@pytest.mark.parametrize("files", [("reverse_text/pipeline.toml",), ("debug/tiny.toml",)])
+def test_reverse_text_samples_fit_the_context(files: tuple[str, ...], tiny_tokenizer) -> None:
+    """No prompt + max_tokens and no SFT conversation is cut by seq_len (nothing truncated)."""
+    config = load(*files)
+    assert not config.trainer.truncate
+    train, held_out = make_splits(2000, config.eval.num_examples, seed=config.run.seed)
+    longest_prompt = max(_prompt_len(tiny_tokenizer, text) for text in train + held_out)
+    for sampling in (config.orchestrator.sampling, config.eval.sampling):
+        assert longest_prompt + sampling.max_tokens <= config.seq_len
+    longest_sft = max(
+        len(tiny_tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
+        for row in sft_examples(2000, seed=config.run.seed)
+    )
+    assert longest_sft <= config.seq_len
+    if files != ("reverse_text/pipeline.toml",):
+        return
+    # Gold answers are short enough for max_tokens, so a perfect policy can score 1.
+    longest_answer = max(len(text) for text in train + held_out) + len(
+        "<reversed_text></reversed_text><|im_end|>"
+    )
+    assert longest_answer <= config.orchestrator.sampling.max_tokens
+
+
+def test_reverse_text_demo_measures_what_the_issue_asks() -> None:
+    config = load("reverse_text/pipeline.toml")
+    assert config.model.name == "primeflow/tiny-qwen3"
+    assert config.storage.uri == "file://./runs"
+    assert config.inference.num_servers == 1 and config.trainer.parallel.nproc_per_node == 1
+    assert config.sft.enabled and config.sft.data.env == "reverse-text"
+    assert config.orchestrator.max_async_level == 1
+    # Eval at the training temperature on >= 200 held-out samples, greedy as well.
+    assert config.eval.sampling.temperature == config.orchestrator.sampling.temperature
+    assert config.eval.num_examples * config.eval.rollouts_per_example >= 200
+    assert config.eval.num_examples >= 200 and config.eval.greedy
+    # One micro-batch per SFT step: the batch's rows fit micro_batch_tokens.
+    assert config.trainer.micro_batch_tokens is not None
+    assert config.trainer.micro_batch_tokens >= config.sft.batch_size * config.seq_len
+
+
+def test_tiny_debug_pipeline_stays_small() -> None:
+    config = load("debug/tiny.toml")
+    assert config.sft.max_steps <= 5 and config.max_steps <= 3
+    assert config.orchestrator.batch_size <= 16 and config.eval.num_examples <= 16
+
+
+def test_debug_smoke_configs_are_small_and_offline() -> None:
+    sft = load("debug/sft.toml")
+    assert sft.model.name == "primeflow/tiny-qwen3" and sft.sft.data.path is None
+    assert sft.sft.max_steps * sft.sft.batch_size <= 64
+    rl = load("debug/rl.toml")
+    assert rl.model.name == "primeflow/tiny-qwen3"
+    assert rl.max_steps <= 2 and rl.orchestrator.batch_size <= 8
+
+
+def test_qwen3_two_gpus_one_for_inference_one_for_the_trainer() -> None:
+    config = load("qwen3_0_6b/reverse_text.toml")
+    assert config.model.name == "Qwen/Qwen3-0.6B"
+    assert config.inference.device == "cuda" and config.trainer.dtype == "bfloat16"
+    assert config.inference.gpu_ids == [0] and config.trainer.parallel.gpu_ids == [1]
+    assert config.sft.enabled and config.sft.data.path is not None
+    assert config.orchestrator.max_async_level == 1
+    assert config.orchestrator.batch_size % config.orchestrator.rollouts_per_example == 0
+
+
+def test_qwen3_one_gpu_overlay_shares_the_card() -> None:
+    config = load("qwen3_0_6b/reverse_text.toml", "qwen3_0_6b/one_gpu.toml")
+    assert config.inference.gpu_ids == config.trainer.parallel.gpu_ids == [0]
+    assert config.inference.gpu_memory_utilization <= 0.5
+    base = load("qwen3_0_6b/reverse_text.toml")
+    # Everything but placement and micro-batching is the two-GPU recipe.
+    changed = {"inference", "trainer"}
+    for field in PrimeflowConfig.model_fields:
+        if field not in changed:
+            assert getattr(config, field) == getattr(base, field), field
+    assert config.trainer.optim == base.trainer.optim
+    assert config.inference.model == base.inference.model
