@@ -34,6 +34,7 @@ from engine.config.trainer import OptimizerConfig, SchedulerConfig
 from engine.inference.checkpoints import local_checkpoint
 from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
+from engine.run import run_store as open_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
@@ -47,7 +48,7 @@ from engine.trainer.schedule import build_scheduler
 from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
-from storage.layout import RunLayout, run_uri
+from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
@@ -55,18 +56,6 @@ Stage = Literal["sft", "rl"]
 FIRST_STEP = 1
 SFT_PREFIX = "sft"
 log = logging.getLogger("primeflow.trainer")
-
-
-def open_run_store(config: PrimeflowConfig) -> ObjectStore:
-    """The run root `<storage.uri>/<run.name>`."""
-    storage = config.storage
-    return ObjectStore(
-        run_uri(storage.uri, config.run.name),
-        endpoint_url=storage.endpoint_url,
-        region=storage.region,
-        retries=storage.retries,
-        backoff_s=storage.backoff_s,
-    )
 
 
 def stage_store(run_store: ObjectStore, stage: Stage) -> ObjectStore:
@@ -206,7 +195,7 @@ def build_trainer(
         peak_flops=measure_bf16_peak(dist.device) if on_gpu else None,
     )
     optimizer = build_optimizer(policy, optim, dist.device)
-    run_store = open_run_store(config)
+    run_store = open_store(config)
     return Trainer(
         config=config,
         stage=stage,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine.run import run_store as open_run_store
 from engine.trainer.attention import document_kwargs, sdpa_priority, varlen_available
 from engine.trainer.model import ModelOptions, PolicyModel, load_causal_lm
 from engine.trainer.packing import Sample, pack_samples
 from engine.trainer.pool import run_trainer
-from engine.trainer.worker import open_run_store
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps

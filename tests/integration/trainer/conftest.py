@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.models import TinyModelSpec, write_tiny_model
-from engine.trainer.worker import open_run_store
+from engine.run import run_store as open_run_store
 from storage.shards import write_rollouts
 
 SPEC = TinyModelSpec(

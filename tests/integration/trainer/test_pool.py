@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.run import run_store as open_run_store
 from engine.trainer.pool import run_trainer
-from engine.trainer.worker import open_run_store
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps

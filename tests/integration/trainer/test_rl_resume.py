@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from engine.run import run_store as open_run_store
 from engine.trainer.rollouts import RolloutDataError, samples_from_rollouts
-from engine.trainer.worker import open_run_store, run_stage
+from engine.trainer.worker import run_stage
 from storage.checkpoints import fetch_checkpoint
 from storage.layout import RunLayout
 from storage.metrics import read_metrics

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import PrimeflowConfig
+from engine.run import run_store as open_run_store
 from engine.trainer.checkpoint import latest_checkpoint
-from engine.trainer.worker import open_run_store, run_stage, stage_store
+from engine.trainer.worker import run_stage, stage_store
 from storage.metrics import read_metrics
 
 
