@@ -1,0 +1,133 @@
+"""TRL's GRPOTrainer on the reverse-text demo: the baseline of `bench_trl.py`.
+
+Runs in TRL's own virtual environment (never primeflow's): it imports nothing of primeflow.
+`bench_trl.py` writes the training prompts (the demo's train split, same seed) as JSONL and
+passes the SFT checkpoint folder; this script trains with the demo's batch and sampling and
+prints one JSON line per step: `{"step", "time", "reward"}`, then a summary line.
+
+The reward is reverse-text's: the character-level `difflib.SequenceMatcher` ratio between the
+text inside the first `<reversed_text>` tag and the reversed text (engine/envs/reverse_text.py,
+restated here because that module needs `verifiers`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+import time
+from typing import Any
+
+_ANSWER = re.compile(r"<reversed_text>(.*?)(?:</reversed_text>|$)", re.DOTALL)
+
+
+def similarity_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    rewards = []
+    for completion, target in zip(completions, answer, strict=True):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        match = _ANSWER.search(text)
+        if match is None:
+            rewards.append(0.0)
+            continue
+        guess = match.group(1).strip()
+        rewards.append(difflib.SequenceMatcher(None, guess, target, autojunk=False).ratio())
+    return rewards
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, help="SFT checkpoint folder (HF format)")
+    parser.add_argument("--data", required=True, help="JSONL of {prompt: messages, answer}")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--rollouts-per-example", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--target", type=float, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(args.seed)
+    with open(args.data, encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    dataset = Dataset.from_list(rows)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    batch = args.prompts_per_step * args.rollouts_per_example
+    config = GRPOConfig(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.rollouts_per_example,
+        generation_batch_size=batch,
+        num_iterations=1,
+        max_completion_length=args.max_tokens,
+        temperature=args.temperature,
+        top_p=1.0,
+        beta=0.0,  # no KL term, as primeflow's AIPO loss
+        scale_rewards="none",  # reward minus the group mean, as primeflow's default
+        loss_type="dapo",  # token-level mean over the batch, as primeflow
+        use_vllm=False,  # no CUDA vLLM on a CPU machine: TRL generates with transformers
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
+    start = time.time()
+    history: list[dict[str, float]] = []
+
+    class Log(TrainerCallback):
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                line = {"step": state.global_step, "time": time.time() - start}
+                line["reward"] = float(logs["reward"])
+                history.append(line)
+                print(json.dumps(line), flush=True)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[similarity_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Log()],
+    )
+    trainer.train()
+    wall = time.time() - start
+    summary = {"summary": True, "steps": len(history), "wall_s": wall}
+    if history:
+        summary["steps_per_s"] = (
+            (len(history) - 1) / (history[-1]["time"] - history[0]["time"])
+            if len(history) > 1
+            else 0.0
+        )
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
