@@ -17,6 +17,7 @@ SFT = os.environ.get("PRIMEFLOW_BENCH_SFT")
 TRL_PYTHON = os.environ.get("PRIMEFLOW_BENCH_TRL_PYTHON")
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin to")
 def test_async_level_1_against_0(tmp_path) -> None:
     args = ["--steps", "8", "--workdir", str(tmp_path)]
@@ -29,6 +30,7 @@ def test_async_level_1_against_0(tmp_path) -> None:
     assert all(v["steps"] == 8 for v in result["variants"])
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(not (SFT and TRL_PYTHON), reason="set PRIMEFLOW_BENCH_SFT and ..._TRL_PYTHON")
 def test_time_to_reward_against_trl(tmp_path) -> None:
     assert SFT and TRL_PYTHON
