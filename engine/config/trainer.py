@@ -167,6 +167,16 @@ class TrainerConfig(BaseConfig):
         bool, Field(description="Recompute block activations in backward to save memory.")
     ] = False
     compile: Annotated[bool, Field(description="torch.compile each transformer block.")] = False
+    num_threads: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description=(
+                "CPU threads per rank (OMP_NUM_THREADS); None: torch's default. On a small CPU "
+                "machine that also runs vLLM, 1 avoids OpenMP threads spinning against it."
+            ),
+        ),
+    ] = None
     truncate: Annotated[
         bool,
         Field(description="Cut samples longer than seq_len to seq_len instead of failing."),

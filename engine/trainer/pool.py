@@ -73,6 +73,8 @@ class TrainerPool:
         config_path = Path(self._tmp.name) / "config.json"
         config_path.write_text(self.config.model_dump_json())
         env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        if self.config.trainer.num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.config.trainer.num_threads)
         if self.config.trainer.parallel.gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.config.trainer.parallel.gpu_ids))
         log = None
