@@ -45,6 +45,21 @@ def write_prompts(path: Path, num: int, seed: int) -> None:
             out.write(json.dumps(row) + "\n")
 
 
+def json_lines(text: str) -> list[dict]:
+    """The JSON objects trl_grpo.py printed, one per line; transformers' own log lines (Python
+    dict reprs) and progress bars sharing a line are skipped."""
+    found = []
+    for line in text.splitlines():
+        start = line.find('{"')
+        if start < 0:
+            continue
+        try:
+            found.append(json.loads(line[start:]))
+        except json.JSONDecodeError:
+            continue
+    return found
+
+
 def run_trl(
     python: str, model: Path, data: Path, workdir: Path, steps: int, lr: float, cores: set[int]
 ) -> list[dict]:
@@ -63,15 +78,9 @@ def run_trl(
     (workdir / "trl.log").write_text(result.stdout + "\n" + result.stderr)
     if result.returncode != 0:
         raise RuntimeError(f"TRL failed ({result.returncode}); see {workdir / 'trl.log'}")
-    lines = []
-    for line in result.stdout.splitlines():
-        if line.startswith("{"):
-            entry = json.loads(line)
-            if "reward" in entry:
-                # trl_grpo.py's clock starts after its imports; count those too.
-                lines.append(entry)
+    lines = [entry for entry in json_lines(result.stdout) if "reward" in entry]
     launch_overhead = 0.0
-    summary = [json.loads(x) for x in result.stdout.splitlines() if '"summary"' in x]
+    summary = [entry for entry in json_lines(result.stdout) if entry.get("summary")]
     if summary:
         launch_overhead = (time.time() - start) - summary[-1]["wall_s"]
     for entry in lines:
