@@ -1,7 +1,8 @@
-"""Trainer throughput on a Qwen3-0.6B-shaped model with random weights, against plain HF.
+"""Trainer throughput on Qwen3-0.6B- (or 1.7B-) shaped models with random weights, vs plain HF.
 
     python -m tests.bench.trainer.bench_trainer                       # one GPU, all variants
     torchrun --nproc-per-node 2 -m tests.bench.trainer.bench_trainer --variants primeflow
+    python -m tests.bench.trainer.bench_trainer --shape 1.7b --variants primeflow
 
 Every variant trains on 2 rows × 8192 tokens per GPU per step in bf16, after warm-up steps,
 each in a fresh process (so no variant reuses another's compiled code or memory pool).
@@ -16,6 +17,10 @@ MFU = tokens/s × (6·N + 6·L·H·d_head·S) ÷ (bf16 matmul peak measured in t
 - `primeflow-eager`: the same without `torch.compile`.
 - `primeflow-packed`: rows packed from documents of 256-4096 tokens (FA2 varlen); real
   attention work is lower than the formula's, so its MFU is nominal.
+
+With `PRIMEFLOW_BENCH_PROFILE=DIR`, the `primeflow*` variants profile two more steps after the
+timed ones and write `DIR/<variant>_rank<r>.json` (Chrome traces) and a kernel breakdown
+(`tests.bench.trainer.trace_summary`) to stdout.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import Sample, pack_samples
 from engine.trainer.schedule import build_scheduler
 from engine.trainer.step import StepContext, train_step
+from tests.bench.trainer.trace_summary import summarise
 
 SEQ_LEN = 8192
 ROWS = 2
@@ -57,12 +63,17 @@ WARMUP = 3
 STEPS = 10
 
 
-def qwen3_0_6b() -> Qwen3Config:
-    """Qwen3-0.6B's published shape (28 layers, 1024 wide, 16/8 heads of 128, tied head)."""
+# Published Qwen3 widths (28 layers, 16/8 heads of 128, vocab 151,936, tied head in both).
+SHAPES = {"0.6b": (1024, 3072), "1.7b": (2048, 6144)}
+
+
+def qwen3_config(shape: str) -> Qwen3Config:
+    """A Qwen3 model's published shape: `shape` picks hidden and MLP widths from `SHAPES`."""
+    hidden, intermediate = SHAPES[shape]
     return Qwen3Config(
         vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=28,
         num_attention_heads=16,
         num_key_value_heads=8,
@@ -80,10 +91,10 @@ def free_memory() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def plain_hf(device: torch.device) -> dict[str, float]:
+def plain_hf(device: torch.device, config: Qwen3Config) -> dict[str, float]:
     """The baseline loop, timed with a host clock after synchronising."""
     model = AutoModelForCausalLM.from_config(
-        qwen3_0_6b(), dtype=torch.bfloat16, attn_implementation="sdpa"
+        config, dtype=torch.bfloat16, attn_implementation="sdpa"
     ).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -133,11 +144,17 @@ def documents(packed: bool, rank: int, step: int) -> list[Sample]:
 
 
 def primeflow(
-    dist: DistInfo, peak: float, *, compile: bool, packed: bool, backend: str | None = None
+    dist: DistInfo,
+    peak: float,
+    config: Qwen3Config,
+    *,
+    compile: bool,
+    packed: bool,
+    backend: str | None = None,
 ) -> dict[str, float]:
     """The trainer's step on this rank's rows; metrics are over all ranks."""
     options = ModelOptions(compute_dtype=torch.bfloat16, compile=compile)
-    causal_lm = causal_lm_from_config(qwen3_0_6b())
+    causal_lm = causal_lm_from_config(config)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
     ctx = StepContext(
@@ -152,22 +169,29 @@ def primeflow(
     original: Callable[..., Any] = step_module.sdpa_priority
     if backend is not None:
         step_module.sdpa_priority = lambda device: sdpa_kernel([getattr(SDPBackend, backend)])
+
+    def step(index: int) -> dict[str, float]:
+        # Each rank packs its own documents: this measures the step, not data movement.
+        rows = pack_samples(documents(packed, dist.rank, index), SEQ_LEN)
+        share = rank_share(rows, 0, 1, ROWS)
+        batches = micro_batches(share.select(range(ROWS)), ROWS)
+        # Ranks draw different documents; the normaliser only scales gradients, not time.
+        loss_tokens = int(share.loss_mask[:ROWS].sum()) * dist.world_size
+        return train_step(ctx, optimizer, scheduler, batches, sft_loss, loss_tokens, 1.0)
+
     try:
         results = []
         for index in range(WARMUP + STEPS):
-            # Each rank packs its own documents: this measures the step, not data movement.
-            rows = pack_samples(documents(packed, dist.rank, index), SEQ_LEN)
-            share = rank_share(rows, 0, 1, ROWS)
-            batches = micro_batches(share.select(range(ROWS)), ROWS)
-            # Ranks draw different documents; the normaliser only scales gradients, not time.
-            loss_tokens = int(share.loss_mask[:ROWS].sum()) * dist.world_size
-            metrics = train_step(ctx, optimizer, scheduler, batches, sft_loss, loss_tokens, 1.0)
+            metrics = step(index)
             if index >= WARMUP:
                 results.append(metrics)
+        profile_dir = os.environ.get("PRIMEFLOW_BENCH_PROFILE")
+        if profile_dir:
+            name = "primeflow" + ("-packed" if packed else "") + ("" if compile else "-eager")
+            trace = Path(profile_dir) / f"{name}_rank{dist.rank}.json"
+            profile_steps(lambda index: step(WARMUP + STEPS + index), trace)
     finally:
         step_module.sdpa_priority = original
-    del policy, optimizer, ctx, causal_lm
-    free_memory()
     return {
         "tokens_per_second": float(np.median([m["tokens_per_second"] for m in results])),
         "step_seconds": float(np.median([m["step_seconds"] for m in results])),
@@ -175,6 +199,18 @@ def primeflow(
         "loss_last": results[-1]["loss"],
         "num_parameters": num_parameters,
     }
+
+
+def profile_steps(step: Callable[[int], object], trace: Path, steps: int = 2) -> None:
+    """Run `steps` steps under the torch profiler; write the trace and print its breakdown."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for index in range(steps):
+            step(index)
+    profiler.export_chrome_trace(str(trace))
+    print(summarise(trace), flush=True)
 
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
@@ -186,12 +222,13 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 
 
-def run_isolated(names: list[str]) -> dict[str, Any]:
+def run_isolated(names: list[str], shape: str) -> dict[str, Any]:
     """Each variant in its own process; their JSON results merged."""
     merged: dict[str, Any] = {}
     for name in names:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            command = [sys.executable, "-m", __spec__.name, "--variants", name, "--json", out.name]
+            command = [sys.executable, "-m", __spec__.name, "--variants", name, "--shape", shape]
+            command += ["--json", out.name]
             if subprocess.run(command).returncode == 0:
                 merged.update(json.loads(Path(out.name).read_text()))
             else:
@@ -202,7 +239,8 @@ def run_isolated(names: list[str]) -> dict[str, Any]:
 def print_table(results: dict[str, Any]) -> None:
     base = results.get("plain", {}).get("tokens_per_second")
     peak = results["bf16_peak_tflops"]
-    print(f"\n{results['gpus']} GPU(s) {results['device']}, bf16 peak {peak:.0f} TF/s")
+    shape, gpus, device = results["shape"], results["gpus"], results["device"]
+    print(f"\nQwen3-{shape} shape, {gpus} GPU(s) {device}, bf16 peak {peak:.0f} TF/s")
     print(f"{'variant':18} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs plain':>9}")
     for name in VARIANTS:
         r = results.get(name)
@@ -219,11 +257,12 @@ def print_table(results: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
     parser.add_argument("--json", default=None, help="write results here (rank 0)")
     args = parser.parse_args()
     names = args.variants.split(",")
     if len(names) > 1 and "WORLD_SIZE" not in os.environ:
-        results = run_isolated(names)
+        results = run_isolated(names, args.shape)
         print_table(results)
         if args.json:
             with open(args.json, "w") as handle:
@@ -231,8 +270,10 @@ def main() -> None:
         return
     dist = init_distributed("nccl")
     peak = measure_bf16_peak(dist.device)
-    attention_flops = flops_per_token(qwen3_0_6b(), 0, SEQ_LEN)  # N = 0: the attention term
+    config = qwen3_config(args.shape)
+    attention_flops = flops_per_token(config, 0, SEQ_LEN)  # N = 0: the attention term
     results: dict[str, Any] = {
+        "shape": args.shape,
         "gpus": dist.world_size,
         "device": torch.cuda.get_device_name(dist.device),
         "torch": torch.__version__,
@@ -242,13 +283,16 @@ def main() -> None:
     for name in names:
         try:
             variant = VARIANTS[name]
-            result = plain_hf(dist.device) if variant is None else primeflow(dist, peak, **variant)
+            if variant is None:
+                result = plain_hf(dist.device, config)
+            else:
+                result = primeflow(dist, peak, config, **variant)
             per_token = attention_flops + 6 * result["num_parameters"]
             result["mfu"] = result["tokens_per_second"] * per_token / (peak * dist.world_size)
             results[name] = result
         except Exception:  # one broken variant must not cost the others' numbers
             results[name] = {"error": traceback.format_exc(limit=6)}
-            free_memory()
+        free_memory()  # the variant's model and optimizer went out of scope with it
         if dist.is_main:
             print(name, json.dumps(results[name]), flush=True)
     if dist.is_main:
