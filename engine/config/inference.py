@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, model_validator
 
 from engine.config.base import BaseConfig
+from engine.placement import parse_cores
 
 
 class InferenceConfig(BaseConfig):
@@ -104,6 +105,8 @@ class InferenceConfig(BaseConfig):
                 f"gpu_ids lists {len(self.gpu_ids)} devices; num_servers × tensor_parallel_size "
                 f"needs {gpus}"
             )
+        for cores in self.cpu_cores:
+            parse_cores(cores)
         if self.cpu_cores and len(self.cpu_cores) != self.num_servers:
             raise ValueError(
                 f"cpu_cores has {len(self.cpu_cores)} entries; give one per server "

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config.base import BaseConfig
 from engine.config.plugin import CustomPluginConfig
+from engine.placement import parse_cores
 
 
 class OptimizerConfig(BaseConfig):
@@ -177,6 +178,18 @@ class TrainerConfig(BaseConfig):
             ),
         ),
     ] = None
+    cpu_cores: Annotated[
+        str | None,
+        Field(
+            description=(
+                "CPU only: the cores the trainer's ranks run on during RL, e.g. '0' or '0-3' "
+                "(taskset syntax), apart from the inference pool's `inference.cpu_cores`, so "
+                "that their threads do not spin against each other; torch then uses one thread "
+                "per core unless num_threads says otherwise. SFT, which runs while the pool "
+                "idles, uses every core. None: no binding."
+            )
+        ),
+    ] = None
     truncate: Annotated[
         bool,
         Field(description="Cut samples longer than seq_len to seq_len instead of failing."),
@@ -189,3 +202,10 @@ class TrainerConfig(BaseConfig):
     rollout_timeout_s: Annotated[
         float, Field(gt=0, description="How long to wait for the rollouts of a step.")
     ] = 3600.0
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _core_list(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cores(value)
+        return value

@@ -8,6 +8,10 @@ does when the pool's process exits for any reason, SIGKILL included. The thread 
 process group (this process is its leader: the pool starts it with `start_new_session`), which
 takes vLLM's engine and worker processes with it. `PR_SET_PDEATHSIG` would not do: it fires when
 the *thread* that forked exits, and Prefect runs tasks in short-lived worker threads.
+
+With `VLLM_CPU_OMP_THREADS_BIND` set to a core list (`inference.cpu_cores`), the whole server
+(API process, engine core, worker) is bound to those cores, not only vLLM's OpenMP threads:
+the trainer's cores then stay free of every vLLM process.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import signal
 import sys
 import threading
 import time
+
+from engine.placement import bind_to_cores
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 #: Time vLLM gets to shut down cleanly (free shared memory, join workers) before SIGKILL.
@@ -39,6 +45,9 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[1].isdigit():
         raise SystemExit("usage: python -m engine.inference.launch <fd> <vllm args...>")
     fd = int(argv[1])
+    cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if cores not in ("auto", "nobind"):
+        bind_to_cores(cores, "inference.cpu_cores")
     threading.Thread(target=end_group_when_closed, args=(fd,), daemon=True).start()
     sys.argv = [VLLM_SERVER, *argv[2:]]
     runpy.run_module(VLLM_SERVER, run_name="__main__", alter_sys=True)

@@ -34,6 +34,7 @@ from engine.config.trainer import OptimizerConfig, SchedulerConfig
 from engine.inference.checkpoints import local_checkpoint
 from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
+from engine.placement import bind_to_cores
 from engine.run import run_store as open_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -301,6 +302,10 @@ def evaluate(trainer: Trainer, samples: Sequence[Sample], batch_size: int) -> di
 def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
     """Join the process group and run `stage` on this rank."""
     assert config.trainer.model is not None
+    if stage == "rl" and config.trainer.cpu_cores:
+        cores = bind_to_cores(config.trainer.cpu_cores, "trainer.cpu_cores")
+        if config.trainer.num_threads is None:
+            torch.set_num_threads(len(cores))
     dist = init_distributed(config.trainer.parallel.backend)
     try:
         assets = model_assets(config.trainer.model, config.model.revision)
