@@ -27,6 +27,8 @@ from storage.paths import join
 from tasks.reporting import StageMonitor
 from tasks.supervision import forget_group, record_group
 
+#: How long a stopping RL stage waits for its orchestrator thread (a commit in progress ends).
+ORCHESTRATOR_STOP_S = 60.0
 #: Where each stage commits its checkpoints, below the run root.
 CHECKPOINT_PARENTS: dict[Stage, str] = {"sft": "sft/checkpoints", "rl": "checkpoints"}
 
@@ -102,15 +104,18 @@ def rl_loop(
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
     The orchestrator runs on a thread so this task can notice a trainer that died: the
-    orchestrator would otherwise wait forever for the checkpoint the async bound needs.
+    orchestrator would otherwise wait forever for the checkpoint the async bound needs. Whatever
+    ends the task, the orchestrator is stopped and joined first, so a retry of the task never
+    runs beside the previous attempt's orchestrator (two writers of the same rollout steps).
     """
     assert config.trainer.max_steps is not None
     started = time.perf_counter()
     failure: list[BaseException] = []
+    stop = threading.Event()
 
     def orchestrate() -> None:
         try:
-            run_orchestrator(config, pool)
+            run_orchestrator(config, pool, stop)
         except BaseException as exc:
             failure.append(exc)
 
@@ -125,10 +130,21 @@ def rl_loop(
                 raise failure[0]
             code = trainer.wait()
         finally:
+            _stop_orchestrator(orchestrator, stop)
             _finish_trainer(config, "rl", trainer)
     if code != 0:
         raise StageFailedError(f"the RL trainer exited with status {code}; see {trainer.log_path}")
     return _outcome(config, "rl", monitor.last_step, time.perf_counter() - started)
+
+
+def _stop_orchestrator(orchestrator: threading.Thread, stop: threading.Event) -> None:
+    """Ask the orchestrator thread to end and wait for it (it polls every `poll_interval_s`)."""
+    stop.set()
+    orchestrator.join(timeout=ORCHESTRATOR_STOP_S)
+    if orchestrator.is_alive():
+        get_run_logger().warning(
+            "rl: the orchestrator did not stop within %.0f s", ORCHESTRATOR_STOP_S
+        )
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)

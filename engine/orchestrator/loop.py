@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 METRICS_STAGE = "orchestrator"
 #: Consecutive failed reloads of a committed checkpoint before the run stops.
 MAX_RELOAD_FAILURES = 3
+
+
+class OrchestratorStoppedError(RuntimeError):
+    """The caller asked the loop to stop (its stage is giving up, e.g. the trainer died)."""
 
 
 class PolicyServer(Protocol):
@@ -73,6 +78,7 @@ class Orchestrator:
         tokenizer: Any,
         envs: Sequence[MixEntry],
         seed: int = 0,
+        stop: threading.Event | None = None,
     ) -> None:
         if config.max_steps is None or config.seq_len is None:
             raise ValueError("orchestrator.max_steps and seq_len must be set (shared fields)")
@@ -96,6 +102,9 @@ class Orchestrator:
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
+        # Set by a supervising thread: without it a loop whose trainer died would keep sampling
+        # (and later committing) beside the stage's retry, two writers of the same steps.
+        self._stop = stop or threading.Event()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -134,6 +143,7 @@ class Orchestrator:
         )
         blocked_since: float | None = None
         while True:
+            self._check_stop(step)
             await self._refresh_policy()
             served = self.server.policy_version
             while self._pending and not builder.full:
@@ -155,6 +165,10 @@ class Orchestrator:
             )
             for task in done:
                 self._pending.append(self._finish(task))
+
+    def _check_stop(self, step: int) -> None:
+        if self._stop.is_set():
+            raise OrchestratorStoppedError(f"stopped while collecting rollouts for step {step}")
 
     def _check_wait(self, step: int, served: int, waited_s: float) -> None:
         if waited_s <= self.config.policy_timeout_s:

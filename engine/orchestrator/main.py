@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +71,16 @@ def mix_entries(envs: list[EnvConfig], default: SamplingConfig) -> list[MixEntry
     return [MixEntry(load_environment(env), env.ratio, env.sampling or default) for env in envs]
 
 
-def run_orchestrator(config: PrimeflowConfig, pool: InferencePool | None = None) -> int:
-    """Make and commit `rollouts/step_N` for every remaining RL step; 0 when all are done."""
+def run_orchestrator(
+    config: PrimeflowConfig,
+    pool: InferencePool | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Make and commit `rollouts/step_N` for every remaining RL step; 0 when all are done.
+
+    Setting `stop` (from another thread) ends the loop at its next poll with
+    `OrchestratorStoppedError`; a step being committed at that moment is committed first.
+    """
     orchestrator_config = config.orchestrator
     entries = mix_entries(orchestrator_config.envs, orchestrator_config.sampling)
     tokenizer = load_tokenizer(config)
@@ -90,6 +99,7 @@ def run_orchestrator(config: PrimeflowConfig, pool: InferencePool | None = None)
                     tokenizer=tokenizer,
                     envs=entries,
                     seed=config.run.seed,
+                    stop=stop,
                 ).run()
 
         asyncio.run(main())

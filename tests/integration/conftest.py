@@ -8,10 +8,17 @@ tail of its log, rather than an opaque connection error somewhere later.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from flows import server as prefect_server_cli
 from tests.integration.servers import (
     GcsEndpoint,
     S3Endpoint,
@@ -103,6 +110,53 @@ def moto_env(moto_s3: S3Endpoint, s3_env: Callable[[S3Endpoint], S3Endpoint]) ->
 def seaweed_env(seaweed_s3: S3Endpoint, s3_env: Callable[[S3Endpoint], S3Endpoint]) -> S3Endpoint:
     """The SeaweedFS endpoint, with this test's environment pointed at it."""
     return s3_env(seaweed_s3)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    """The session's Prefect server: its home and port, so a test can restart it in place."""
+
+    home: Path
+    port: int
+    env: dict[str, str]
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def restart(self) -> None:
+        """Stop the server and start it again on the same port and database."""
+        prefect_server_cli.stop(self.home)
+        prefect_server_cli.start(self.home, port=self.port, env=self.env)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A Prefect server on 127.0.0.1 that lives for the whole session, in its own PREFECT_HOME."""
+    home = Path(tmp_path_factory.mktemp("prefect-home"))
+    # The scheduler runs every second (default: a minute) so schedule tests see runs quickly.
+    fast = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
+    state = prefect_server_cli.start(home, port=_free_port(), env=fast)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: state.api_url}):
+            yield PrefectServer(home=home, port=state.port, env=fast)
+            # Send what is still queued while the server is up, not into a closed port.
+            APILogWorker.drain_all(timeout=30)
+            EventsWorker.drain_all(timeout=30)
+    finally:
+        prefect_server_cli.stop(home)
+
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_server: PrefectServer) -> str:
+    """The API URL of the session's Prefect server."""
+    return prefect_server.api_url
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -59,17 +59,21 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
     )
 
 
-@pytest.fixture(scope="session")
-def pool(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferencePool]:
-    config = InferenceConfig(
+def pool_config(weights: Weights) -> InferenceConfig:
+    """The shared server's config; tests that must kill a server start their own from it."""
+    return InferenceConfig(
         model=str(weights.base),
         max_model_len=MAX_MODEL_LEN,
         dtype="float32",  # as transformers computes; "auto" would run bf16 on this CPU
         kv_cache_gb=0.25,
         extra_args=["-O0"],
     )
+
+
+@pytest.fixture(scope="session")
+def pool(weights: Weights, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferencePool]:
     started = time.monotonic()
-    inference_pool = InferencePool(config, log_dir=tmp_path_factory.mktemp("logs"))
+    inference_pool = InferencePool(pool_config(weights), log_dir=tmp_path_factory.mktemp("logs"))
     inference_pool.start()
     print(f"\nvLLM pool ready in {time.monotonic() - started:.1f} s")
     yield inference_pool

@@ -1,0 +1,91 @@
+"""A vLLM server SIGKILLed while the orchestrator samples from it.
+
+The server is one of its own (killing the session's shared server would break the tests after
+this one), started from the shared server's config. The run must stop on its own, quickly, with
+one line naming the server; what it committed stays as it was, and the same run started again
+on a live server carries on from there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.config import PrimeflowConfig
+from engine.inference.pool import InferencePool
+from engine.orchestrator.main import run_orchestrator
+from engine.run import run_store
+from storage.commit import latest_committed_step
+from storage.layout import RunLayout
+from tests.integration.faults.conftest import (
+    assert_every_step_committed_once,
+    assert_unchanged,
+    commit_times,
+)
+from tests.integration.vllm import Weights, pool_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_STEPS = 3
+
+
+def kill_servers_after(
+    config: PrimeflowConfig, server: InferencePool, step: int, seen: dict[str, Any]
+) -> None:
+    """Once rollouts `step` is committed (the loop is sampling the next), SIGKILL every server's
+    process group; record what was committed then."""
+    store = run_store(config)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if (latest_committed_step(store, RunLayout.ROLLOUTS) or 0) >= step:
+            for pgid in server.process_groups.values():
+                os.killpg(pgid, signal.SIGKILL)
+            seen["at"] = time.monotonic()
+            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(360)
+def test_killed_server_stops_the_run_with_one_line_and_the_run_resumes(
+    pool: InferencePool,
+    weights: Weights,
+    rl_config: Any,
+    tmp_path: Path,
+    leftovers: Any,
+) -> None:
+    # Async level 3: every step may use the base policy, so no trainer is needed here.
+    config = rl_config(max_steps=MAX_STEPS, orchestrator={"max_async_level": 3})
+    store = run_store(config)
+    doomed = InferencePool(pool_config(weights), log_dir=tmp_path / "doomed-logs")
+    doomed.start()
+    (endpoint,) = doomed.endpoints
+    seen: dict[str, Any] = {}
+    killer = threading.Thread(target=kill_servers_after, args=(config, doomed, 1, seen))
+    killer.start()
+    try:
+        with pytest.raises(Exception) as failed:
+            run_orchestrator(config, doomed)
+        stopped = time.monotonic()
+        killer.join()
+    finally:
+        doomed.stop()
+
+    # Stopped on its own within the client's retries, with one line naming the dead server.
+    assert stopped - seen["at"] < 30
+    message = str(failed.value)
+    assert "\n" not in message and endpoint.base_url in message, message
+    assert "ConnectError" in message or "RemoteProtocolError" in message, message
+    assert max(seen["rollouts"]) >= 1 and latest_committed_step(store, RunLayout.ROLLOUTS) < 3
+    assert leftovers() == []
+
+    # Started again on a live server: continues after its last committed step, loses nothing.
+    assert run_orchestrator(config, pool) == 0
+    assert_every_step_committed_once(store, MAX_STEPS, checkpoints=False)
+    assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))

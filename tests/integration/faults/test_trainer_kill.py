@@ -1,0 +1,92 @@
+"""The RL trainer pool SIGKILLed in the middle of a step, then the stage started again.
+
+The stage is the real `rl_loop` task (torchrun trainer + orchestrator against the session's
+vLLM server) inside a flow on the session's Prefect server; its `retries=1` is what starts the
+stage again, as in production.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from prefect import flow
+
+from engine.config import PrimeflowConfig
+from engine.inference.pool import InferencePool
+from engine.run import local_run_dir, run_store
+from storage.commit import latest_committed_step
+from storage.layout import RunLayout
+from storage.metrics import read_metrics
+from tasks.stages import rl_loop
+from tasks.supervision import recorded_groups
+from tests.integration.faults.conftest import (
+    assert_every_step_committed_once,
+    assert_unchanged,
+    commit_times,
+    kill_tree,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_STEPS = 4
+KILL_AT = 2  # killed after rollouts/step_2 is committed, before checkpoints/step_2 is
+
+
+def run_rl_stage(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
+    """`rl_loop` as the pipeline runs it: a task (retries=1) of a flow run on a Prefect server."""
+
+    @flow(name="rl-under-fault", validate_parameters=False)
+    def stage() -> dict[str, Any]:
+        return rl_loop(config, pool)
+
+    return stage()
+
+
+def kill_trainer_mid_step(config: PrimeflowConfig, step: int, seen: dict[str, Any]) -> None:
+    """Once the trainer may be training `step` (its rollouts committed, its checkpoint not yet),
+    SIGKILL the whole torchrun group; record what was committed at that moment."""
+    store = run_store(config)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        rollouts = latest_committed_step(store, RunLayout.ROLLOUTS) or 0
+        checkpoint = latest_committed_step(store, RunLayout.CHECKPOINTS) or 0
+        group = recorded_groups(local_run_dir(config) / RunLayout.LOGS).get("trainer-rl")
+        if rollouts >= step and checkpoint == step - 1 and group is not None:
+            seen["killed"] = kill_tree(group)
+            seen["checkpoints"] = commit_times(store, RunLayout.CHECKPOINTS)
+            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(480)
+def test_trainer_killed_mid_step_resumes_and_commits_every_step_once(
+    pool: InferencePool, rl_config: Any, prefect_api: str, leftovers: Any
+) -> None:
+    config = rl_config(max_steps=MAX_STEPS)
+    store = run_store(config)
+    seen: dict[str, Any] = {}
+    killer = threading.Thread(target=kill_trainer_mid_step, args=(config, KILL_AT, seen))
+    killer.start()
+    result = run_rl_stage(config, pool)
+    killer.join()
+
+    # The kill landed mid-step: torchrun and its rank died, checkpoint 2 was not committed.
+    assert len(seen.get("killed", [])) >= 2, "torchrun and its rank should have been killed"
+    assert max(seen["checkpoints"]) == KILL_AT - 1
+    assert result["checkpoint_step"] == MAX_STEPS
+
+    assert_every_step_committed_once(store, MAX_STEPS)
+    assert_unchanged(seen["checkpoints"], commit_times(store, RunLayout.CHECKPOINTS))
+    assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))
+    # The retry resumed from the newest committed checkpoint, not from the half-written one.
+    log = (local_run_dir(config) / RunLayout.LOGS / "trainer-rl.log").read_text()
+    assert f"resumed rl from {store.url(RunLayout.checkpoint_dir(KILL_AT - 1))}" in log
+    # One trainer metric line per step (the repeated step's line replaced, not doubled).
+    assert [line["step"] for line in read_metrics(store, "rl")] == list(range(1, MAX_STEPS + 1))
+    # Nothing of the first attempt is left: no orchestrator thread, no trainer process.
+    assert not [t for t in threading.enumerate() if t.name == "orchestrator" and t.is_alive()]
+    assert leftovers() == []
