@@ -88,7 +88,14 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A server this process started and that has exited stays a zombie until reaped, and
+    # signal 0 reaches zombies: without this, `stop` in the starting process waited its whole
+    # timeout for a server that was long gone.
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child: whoever started it reaps it
+        return True
+    return reaped != pid
 
 
 def status(home: Path) -> dict[str, object]:

@@ -115,17 +115,23 @@ class StageMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self.poll()
-        self._write_table(force=True)
+        self._report(final=True)
         if self._bar is not None:
             self._bar.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self.poll()
-            except Exception as exc:  # reporting must never stop the stage it reports on
-                log.warning("progress report failed: %s", exc)
+            self._report()
+
+    def _report(self, final: bool = False) -> None:
+        """Poll and update the UI; a failure (the Prefect server restarting, say) is a warning:
+        reporting must never fail the stage it reports on, not even its last report."""
+        try:
+            self.poll()
+            if final:
+                self._write_table(force=True)
+        except Exception as exc:
+            log.warning("progress report failed: %s", exc)
 
     @property
     def last_step(self) -> int:

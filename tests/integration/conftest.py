@@ -130,9 +130,16 @@ class PrefectServer:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
+    @property
+    def pid(self) -> int | None:
+        """The server process (the leader of its process group), as `start` recorded it."""
+        state = prefect_server_cli.read_state(self.home)
+        return state.pid if state is not None else None
+
     def restart(self) -> None:
         """Stop the server and start it again on the same port and database."""
-        prefect_server_cli.stop(self.home)
+        if not prefect_server_cli.stop(self.home):
+            raise RuntimeError(f"no Prefect server was running for {self.home}")
         prefect_server_cli.start(self.home, port=self.port, env=self.env)
 
 

@@ -25,7 +25,7 @@ from engine.run import local_run_dir, run_store
 from storage.commit import latest_committed_step
 from storage.errors import PermanentStorageError
 from storage.layout import RunLayout
-from tests.integration.faults.conftest import (
+from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,

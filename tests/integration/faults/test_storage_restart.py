@@ -21,7 +21,7 @@ from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
-from tests.integration.faults.conftest import (
+from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import pytest
-from prefect import flow
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
@@ -20,29 +19,19 @@ from engine.run import local_run_dir, run_store
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
-from tasks.stages import rl_loop
 from tasks.supervision import recorded_groups
-from tests.integration.faults.conftest import (
+from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,
     kill_tree,
+    run_rl_stage,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MAX_STEPS = 4
 KILL_AT = 2  # killed after rollouts/step_2 is committed, before checkpoints/step_2 is
-
-
-def run_rl_stage(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
-    """`rl_loop` as the pipeline runs it: a task (retries=1) of a flow run on a Prefect server."""
-
-    @flow(name="rl-under-fault", validate_parameters=False)
-    def stage() -> dict[str, Any]:
-        return rl_loop(config, pool)
-
-    return stage()
 
 
 def kill_trainer_mid_step(config: PrimeflowConfig, step: int, seen: dict[str, Any]) -> None:
