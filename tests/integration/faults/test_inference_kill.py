@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from engine.config import PrimeflowConfig
+from engine.envs import SamplerFailedError
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
@@ -70,7 +71,7 @@ def test_killed_server_stops_the_run_with_one_line_and_the_run_resumes(
     killer = threading.Thread(target=kill_servers_after, args=(config, doomed, 1, seen))
     killer.start()
     try:
-        with pytest.raises(Exception) as failed:
+        with pytest.raises(SamplerFailedError) as failed:
             run_orchestrator(config, doomed)
         stopped = time.monotonic()
         killer.join()

@@ -12,7 +12,6 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,25 +35,34 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MAX_STEPS = 4
 
 
-def make_read_only(root: Path) -> Callable[[], None]:
-    """Make `root` and everything below it unwritable; return the function that undoes it."""
+def read_only_commands(scratch: Path) -> tuple[list[str], list[str]]:
+    """The commands that make a tree unwritable and writable again, for whoever runs the test.
+
+    Probed here, in the test's thread, so an unsupported filesystem skips the test before the
+    run starts rather than after.
+    """
     if os.geteuid() != 0:
-        subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
-        return lambda: subprocess.run(["chmod", "-R", "u+w", str(root)], check=True)
-    done = subprocess.run(["chattr", "-R", "+i", str(root)], capture_output=True, text=True)
-    if done.returncode != 0:
-        subprocess.run(["chattr", "-R", "-i", str(root)], capture_output=True)
-        pytest.skip(f"running as root and `chattr +i` is refused here: {done.stderr.strip()}")
-    return lambda: subprocess.run(["chattr", "-R", "-i", str(root)], check=True)
+        return ["chmod", "-R", "a-w"], ["chmod", "-R", "u+w"]
+    scratch.mkdir()
+    probe = subprocess.run(["chattr", "+i", str(scratch)], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"running as root and `chattr +i` is refused here: {probe.stderr.strip()}")
+    subprocess.run(["chattr", "-i", str(scratch)], check=True)
+    return ["chattr", "-R", "+i"], ["chattr", "-R", "-i"]
 
 
-def read_only_after(config: PrimeflowConfig, step: int, seen: dict[str, Any]) -> None:
-    """Once rollouts `step` is committed, make the run root read-only."""
+def read_only_after(
+    config: PrimeflowConfig, step: int, lock: list[str], seen: dict[str, Any]
+) -> None:
+    """Once rollouts `step` is committed, make the run root read-only with `lock`."""
     store = run_store(config)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if (latest_committed_step(store, RunLayout.ROLLOUTS) or 0) >= step:
-            seen["undo"] = make_read_only(local_run_dir(config))
+            # Not checked: a temporary file the writer renames away mid-walk is reported, and
+            # the rest of the tree is still locked. The run's error below proves the effect.
+            subprocess.run([*lock, str(local_run_dir(config))], capture_output=True)
+            seen["locked"] = True
             seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
             return
         time.sleep(0.05)
@@ -62,17 +70,17 @@ def read_only_after(config: PrimeflowConfig, step: int, seen: dict[str, Any]) ->
 
 @pytest.mark.timeout(300)
 def test_read_only_run_root_fails_with_one_line_naming_the_uri_and_resumes_once_fixed(
-    pool: InferencePool, rl_config: Any, caplog: pytest.LogCaptureFixture
+    pool: InferencePool, rl_config: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
+    lock, unlock = read_only_commands(tmp_path / "probe")
     config = rl_config(max_steps=MAX_STEPS, orchestrator={"max_async_level": MAX_STEPS})
     store = run_store(config)
     seen: dict[str, Any] = {}
-    fault = threading.Thread(target=read_only_after, args=(config, 1, seen))
+    fault = threading.Thread(target=read_only_after, args=(config, 1, lock, seen))
     fault.start()
     try:
         with caplog.at_level(logging.WARNING), pytest.raises(PermanentStorageError) as failed:
             run_orchestrator(config, pool)
-        fault.join()
         # One error, one line, naming the object under the run root it could not write; no
         # retry loop (permanent) and no traceback logged on the way.
         message = str(failed.value)
@@ -83,8 +91,9 @@ def test_read_only_run_root_fails_with_one_line_naming_the_uri_and_resumes_once_
         assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
         assert commit_times(store, RunLayout.ROLLOUTS) == seen["rollouts"]
     finally:
-        if "undo" in seen:
-            seen["undo"]()
+        fault.join()
+        if seen.get("locked"):
+            subprocess.run([*unlock, str(local_run_dir(config))], check=True)
 
     # Writable again: the same run continues and commits every step once.
     assert run_orchestrator(config, pool) == 0
