@@ -28,6 +28,7 @@ from flows.cli import main
 from storage.checkpoints import write_checkpoint
 from storage.metrics import compact_metrics, write_metrics
 from storage.shards import write_rollouts
+from tests.fake_credentials import API_KEY, FAKE_ENV, leaks_in_files, leaks_in_text
 from tests.unit.storage.samples import rows
 
 REPO = Path(__file__).resolve().parents[3]
@@ -190,16 +191,6 @@ def test_the_scan_catches_what_it_forbids() -> None:
 
 # ------------------------------------------------------------- (e) no credentials in outputs
 
-FAKE_ENV = {
-    "AWS_ACCESS_KEY_ID": "AKIAFAKEACCESSKEY0001",
-    "AWS_SECRET_ACCESS_KEY": "fake/secret+access/key/0123456789abcdef",
-    "AWS_SESSION_TOKEN": "FAKESESSIONTOKEN-abcdefghijklmnop",
-    "HF_TOKEN": "hf_fakehubtoken0123456789",
-    "WANDB_API_KEY": "fakewandbkey0123456789abcdef012345678901",
-    "GOOGLE_APPLICATION_CREDENTIALS": "/secret/fake-gcp-credentials.json",
-}
-API_KEY = "inference-api-key-that-must-not-leak"
-
 
 def test_no_credential_reaches_any_file_a_run_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -227,16 +218,9 @@ def test_no_credential_reaches_any_file_a_run_writes(
     # What Prefect records as the flow's parameters is the config's JSON form.
     parameters = json.dumps(config.model_dump(mode="json"))
 
-    secrets = [*FAKE_ENV.values(), API_KEY]
     written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
     assert {p.name for p in written} >= {"manifest.json", "metrics.jsonl", "_COMMITTED"}
-    leaks = [
-        f"{path.relative_to(tmp_path)} holds {secret[:6]}..."
-        for path in written
-        for secret in secrets
-        if secret.encode() in path.read_bytes()
-    ]
-    leaks += [f"parameters hold {s[:6]}..." for s in secrets if s in parameters]
+    leaks = leaks_in_files(written, tmp_path) + leaks_in_text(parameters, "parameters")
     assert leaks == []
     manifest = json.loads((tmp_path / "runs" / "leak-check" / "manifest.json").read_text())
     assert manifest["config"]["inference"]["api_key"] != API_KEY
