@@ -6,7 +6,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,30 @@ from prefect import flow
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from storage.checkpoints import fetch_checkpoint, load_trainer_state
-from storage.commit import MARKER, committed_steps, read_commit
+from storage.commit import MARKER, committed_steps, latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.shards import read_rollouts
 from storage.store import ObjectStore
 from tasks.stages import rl_loop
+
+
+def poll_until(predicate: Callable[[], object], timeout_s: float = 300.0) -> bool:
+    """Check `predicate` every 50 ms until it holds (True) or `timeout_s` passes (False).
+
+    Fault threads use it to strike the moment storage shows the run where the fault belongs.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def rollouts_at(store: ObjectStore) -> int:
+    """The newest committed rollout step, 0 before the first."""
+    return latest_committed_step(store, RunLayout.ROLLOUTS) or 0
 
 
 def run_rl_stage(

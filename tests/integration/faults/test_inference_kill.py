@@ -28,6 +28,8 @@ from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,
+    poll_until,
+    rollouts_at,
 )
 from tests.integration.vllm import Weights, pool_config
 
@@ -42,15 +44,11 @@ def kill_servers_after(
     """Once rollouts `step` is committed (the loop is sampling the next), SIGKILL every server's
     process group; record what was committed then."""
     store = run_store(config)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if (latest_committed_step(store, RunLayout.ROLLOUTS) or 0) >= step:
-            for pgid in server.process_groups.values():
-                os.killpg(pgid, signal.SIGKILL)
-            seen["at"] = time.monotonic()
-            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
-            return
-        time.sleep(0.05)
+    if poll_until(lambda: rollouts_at(store) >= step):
+        for pgid in server.process_groups.values():
+            os.killpg(pgid, signal.SIGKILL)
+        seen["at"] = time.monotonic()
+        seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
 
 
 @pytest.mark.timeout(360)

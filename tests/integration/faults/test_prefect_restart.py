@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -21,13 +20,14 @@ from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from engine.run import run_store
 from flows.server import is_healthy
-from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from tests.integration.conftest import PrefectServer
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,
+    poll_until,
+    rollouts_at,
     run_rl_stage,
 )
 
@@ -42,15 +42,10 @@ def restart_after(
 ) -> None:
     """Once rollouts `step` is committed, stop the Prefect server and start it again."""
     store = run_store(config)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if (latest_committed_step(store, RunLayout.ROLLOUTS) or 0) >= step:
-            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
-            seen["down_at_step"] = latest_committed_step(store, RunLayout.ROLLOUTS)
-            server.restart()
-            seen["up_at_step"] = latest_committed_step(store, RunLayout.ROLLOUTS)
-            return
-        time.sleep(0.05)
+    if poll_until(lambda: rollouts_at(store) >= step):
+        seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
+        seen["down_at_step"] = rollouts_at(store)
+        server.restart()
 
 
 def flow_runs(name: str) -> list[FlowRun]:

@@ -11,7 +11,6 @@ import logging
 import os
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,14 @@ from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import local_run_dir, run_store
-from storage.commit import latest_committed_step
 from storage.errors import PermanentStorageError
 from storage.layout import RunLayout
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,
+    poll_until,
+    rollouts_at,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -56,16 +56,12 @@ def read_only_after(
 ) -> None:
     """Once rollouts `step` is committed, make the run root read-only with `lock`."""
     store = run_store(config)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if (latest_committed_step(store, RunLayout.ROLLOUTS) or 0) >= step:
-            # Not checked: a temporary file the writer renames away mid-walk is reported, and
-            # the rest of the tree is still locked. The run's error below proves the effect.
-            subprocess.run([*lock, str(local_run_dir(config))], capture_output=True)
-            seen["locked"] = True
-            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
-            return
-        time.sleep(0.05)
+    if poll_until(lambda: rollouts_at(store) >= step):
+        # Not checked: a temporary file the writer renames away mid-walk is reported, and the
+        # rest of the tree is still locked. The run's error in the test proves the effect.
+        subprocess.run([*lock, str(local_run_dir(config))], capture_output=True)
+        seen["locked"] = True
+        seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
 
 
 @pytest.mark.timeout(300)

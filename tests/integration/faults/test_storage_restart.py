@@ -19,12 +19,13 @@ from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
-from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,
+    poll_until,
+    rollouts_at,
 )
 from tests.integration.servers import RestartableMotoServer, S3Endpoint
 from tests.integration.storage.test_transient import restartable  # noqa: F401  (fixture)
@@ -40,17 +41,13 @@ def outage_after(
 ) -> None:
     """Once rollouts `step` is committed, take the server down for `OUTAGE_S`, then back."""
     store = run_store(config)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if (latest := latest_committed_step(store, RunLayout.ROLLOUTS) or 0) >= step:
-            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
-            seen["latest"] = latest
-            server.stop()
-            seen["down"] = datetime.now(UTC).isoformat()
-            time.sleep(OUTAGE_S)
-            server.start()
-            return
-        time.sleep(0.05)
+    if poll_until(lambda: rollouts_at(store) >= step):
+        seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
+        seen["latest"] = rollouts_at(store)
+        server.stop()
+        seen["down"] = datetime.now(UTC).isoformat()
+        time.sleep(OUTAGE_S)
+        server.start()
 
 
 @pytest.mark.timeout(300)

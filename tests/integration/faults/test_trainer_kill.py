@@ -8,7 +8,6 @@ stage again, as in production.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -25,6 +24,8 @@ from tests.integration.faults.helpers import (
     assert_unchanged,
     commit_times,
     kill_tree,
+    poll_until,
+    rollouts_at,
     run_rl_stage,
 )
 
@@ -38,17 +39,20 @@ def kill_trainer_mid_step(config: PrimeflowConfig, step: int, seen: dict[str, An
     """Once the trainer may be training `step` (its rollouts committed, its checkpoint not yet),
     SIGKILL the whole torchrun group; record what was committed at that moment."""
     store = run_store(config)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        rollouts = latest_committed_step(store, RunLayout.ROLLOUTS) or 0
+    group: list[int] = []
+
+    def mid_step() -> bool:
         checkpoint = latest_committed_step(store, RunLayout.CHECKPOINTS) or 0
-        group = recorded_groups(local_run_dir(config) / RunLayout.LOGS).get("trainer-rl")
-        if rollouts >= step and checkpoint == step - 1 and group is not None:
-            seen["killed"] = kill_tree(group)
-            seen["checkpoints"] = commit_times(store, RunLayout.CHECKPOINTS)
-            seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
-            return
-        time.sleep(0.05)
+        if rollouts_at(store) < step or checkpoint != step - 1:
+            return False
+        pgid = recorded_groups(local_run_dir(config) / RunLayout.LOGS).get("trainer-rl")
+        group[:] = [pgid] if pgid is not None else []
+        return bool(group)
+
+    if poll_until(mid_step):
+        seen["killed"] = kill_tree(group[0])
+        seen["checkpoints"] = commit_times(store, RunLayout.CHECKPOINTS)
+        seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
 
 
 @pytest.mark.timeout(480)
