@@ -1,0 +1,211 @@
+"""The main job, shortened, through the real stack: what `make run` does, with fewer steps.
+
+`primeflow server start` (its own home and port), then `primeflow pipeline` on
+`configs/reverse_text/pipeline.toml` with `tests/e2e/short.toml` on top: one vLLM CPU server,
+the trainer pool (SFT, then async RL), evaluations of base, SFT and RL, file:// storage. The
+run happens once per module; each test checks one promise of the issues: every stage committed,
+shards and checkpoints valid, the RL reward up on the training batches, nothing left running,
+and (issue 8) no credential in anything the run wrote or Prefect holds: the run gets fake cloud
+and hub credentials in its environment and an inference API key on its command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from prefect.client.orchestration import PrefectClient, get_client
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from transformers import AutoModelForCausalLM
+
+from engine.config import PrimeflowConfig, load_config
+from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
+from storage.commit import committed_steps, verify_step
+from storage.layout import RunLayout
+from storage.metrics import read_metrics
+from storage.shards import read_rollouts
+from storage.store import ObjectStore
+from tests.fake_credentials import API_KEY, FAKE_ENV, leaks_in_files, leaks_in_text
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_FILES = [ROOT / "configs/reverse_text/pipeline.toml", Path(__file__).with_name("short.toml")]
+PRIMEFLOW = str(Path(sys.executable).with_name("primeflow"))
+#: The training reward's rise that the short run must show: last 10 steps' mean over the first
+#: 5 steps' mean. Measured rises are in tests/e2e/short.toml's header; this is well below them.
+MIN_REWARD_RISE = 0.04
+PAGE, EVENTS_PAGE = 200, 50  # the Prefect API's largest pages
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    result: subprocess.CompletedProcess[str]
+    config: PrimeflowConfig
+    store: ObjectStore
+    root: Path
+    home: Path
+    prefect_records: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FinishedRun]:
+    home, runs = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("runs")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PRIMEFLOW_HOME=str(home), DO_NOT_TRACK="1", **FAKE_ENV)
+    args = [arg for path in CONFIG_FILES for arg in ("@", str(path))]
+    args += ["--run.name", "e2e", "--storage.uri", f"file://{runs}"]
+    port = free_port()
+    server = [PRIMEFLOW, "server", "start", "--port", str(port)]
+    started = subprocess.run(server, env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    try:
+        result = subprocess.run(
+            [PRIMEFLOW, "pipeline", *args, "--inference.api-key", API_KEY],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1400,
+        )
+        records = asyncio.run(prefect_records(f"http://127.0.0.1:{port}/api"))
+    finally:
+        subprocess.run([PRIMEFLOW, "server", "stop"], env=env, timeout=60)
+    config = load_config(args)
+    store = ObjectStore(f"file://{runs}/e2e")
+    yield FinishedRun(result, config, store, runs / "e2e", home, records)
+
+
+async def every_event(client: PrefectClient) -> list[Any]:
+    page = await client.read_events(limit=EVENTS_PAGE)
+    events = list(page.events)
+    while page.next_page:
+        page = await client.read_events_page(str(page.next_page))
+        events += page.events
+    return events
+
+
+async def prefect_records(api_url: str) -> str:
+    """Everything the Prefect server holds that a run can write into, as one JSON text."""
+
+    async def every(read: Callable[..., Awaitable[list[Any]]], **kwargs: Any) -> list[Any]:
+        items: list[Any] = []
+        while page := await read(**kwargs, limit=PAGE, offset=len(items)):
+            items += page
+            if len(page) < PAGE:
+                break
+        return items
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        async with get_client() as client:
+            found = {
+                "flow_runs": await every(client.read_flow_runs),
+                "task_runs": await every(client.read_task_runs),
+                "artifacts": await every(client.read_artifacts),
+                "logs": await every(client.read_logs),
+                "blocks": await client.read_block_documents(include_secrets=True),
+                "variables": await client.read_variables(),
+                "events": await every_event(client),
+            }
+    return json.dumps(
+        {name: [item.model_dump(mode="json") for item in items] for name, items in found.items()}
+    )
+
+
+def test_the_pipeline_completes_and_prints_the_summary(run: FinishedRun) -> None:
+    assert run.result.returncode == 0, run.result.stdout[-3000:] + run.result.stderr[-3000:]
+    summary = run.result.stdout[run.result.stdout.index("primeflow run e2e") :]
+    for policy in ("base", "sft", "rl"):
+        assert f"\n  {policy} " in summary
+    assert f"file://{run.root}" in summary
+
+
+def test_every_rl_step_is_committed_once_with_valid_shards(run: FinishedRun) -> None:
+    steps = committed_steps(run.store, RunLayout.ROLLOUTS)
+    assert steps == list(range(1, run.config.max_steps + 1))
+    for step in steps:
+        table = read_rollouts(run.store, step)  # checksums, schema and row count verified
+        assert table.num_rows == run.config.orchestrator.batch_size
+
+
+def kept_checkpoints(last: int, interval: int, keep_last: int, keep_every: int) -> list[int]:
+    """The steps a stage of `last` steps keeps: every `interval`-th and the last are written,
+    then the newest `keep_last` and every multiple of `keep_every` survive retention."""
+    written = sorted({*range(interval, last + 1, interval), last})
+    return sorted({*written[-keep_last:], *(s for s in written if s % keep_every == 0)})
+
+
+def test_checkpoints_are_committed_kept_by_retention_and_verified(run: FinishedRun) -> None:
+    config = run.config
+    retention = config.trainer.checkpoint
+    stages = (
+        (run.store.child("sft"), config.sft.max_steps, config.sft.checkpoint_interval),
+        (run.store, config.max_steps, retention.interval),
+    )
+    for store, last, interval in stages:
+        steps = committed_steps(store, RunLayout.CHECKPOINTS)
+        assert steps == kept_checkpoints(last, interval, retention.keep_last, retention.keep_every)
+        for step in steps:
+            verify_step(store, RunLayout.checkpoint_dir(step))
+    for name, step in (("base", 0), ("sft", 0), ("rl", config.max_steps)):
+        verify_step(run.store, f"{RunLayout.EVAL}/{name}/{RunLayout.step_name(step)}")
+
+
+def test_the_last_checkpoint_loads_in_transformers(run: FinishedRun, tmp_path: Path) -> None:
+    folder = fetch_checkpoint(run.store, run.config.max_steps, tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    saved = load_checkpoint_weights(folder)
+    for name, tensor in model.state_dict().items():
+        if name in saved:
+            torch.testing.assert_close(tensor, saved[name].float(), rtol=0, atol=0)
+
+
+def test_rl_raises_the_reward_on_the_training_batches(run: FinishedRun) -> None:
+    lines = sorted(read_metrics(run.store, "orchestrator"), key=lambda line: line["step"])
+    rewards = [line["reward/mean"] for line in lines]
+    assert len(rewards) == run.config.max_steps
+    rise = mean(rewards[-10:]) - mean(rewards[:5])
+    assert rise >= MIN_REWARD_RISE, f"training reward per step: {rewards}"
+
+
+def test_no_credential_in_the_run_or_in_prefect(run: FinishedRun) -> None:
+    files = [path for path in run.root.rglob("*") if path.is_file()]
+    assert any(path.parent.name == "logs" for path in files)
+    records = json.loads(run.prefect_records)
+    assert records["flow_runs"] and records["logs"] and records["artifacts"]
+    leaks = leaks_in_files(files, run.root)
+    leaks += leaks_in_text(run.prefect_records, "the Prefect server's records")
+    leaks += leaks_in_text(run.result.stdout + run.result.stderr, "the command's output")
+    assert leaks == []
+
+
+def test_nothing_the_run_started_outlives_it(run: FinishedRun) -> None:
+    # The pools run in sessions of their own, so an orphan would not be a child of anything
+    # here; what the run started (its Prefect server included) carries its PRIMEFLOW_HOME.
+    left = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        try:
+            home = process.environ().get("PRIMEFLOW_HOME")
+        except psutil.Error:
+            continue
+        if home == str(run.home) and process.info["status"] != psutil.STATUS_ZOMBIE:
+            left.append(process.info["cmdline"])
+    assert left == []
