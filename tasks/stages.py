@@ -8,8 +8,10 @@ Prefect.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -35,6 +37,39 @@ CHECKPOINT_PARENTS: dict[Stage, str] = {"sft": "sft/checkpoints", "rl": "checkpo
 
 class StageFailedError(RuntimeError):
     """A stage's process exited with an error; the message names its log."""
+
+
+#: A Python exception's summary line in a log: `package.module.SomeError: message`, after the
+#: `[rank0]: ` that torchrun puts before each line of a rank's output.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): \S.*)$"
+)
+#: torchrun's own report that a rank failed: it says nothing about why.
+_TORCHRUN_SUMMARY = "ChildFailedError"
+
+
+def _trainer_failure(stage: str, code: int, log_path: Path | None) -> StageFailedError:
+    """One line: the exit status, the error the rank died of (its log's last exception line,
+    e.g. a `PermanentStorageError` naming the URI it could not write) and where the log is."""
+    cause = _last_exception_line(log_path) if log_path is not None else None
+    because = f": {cause}" if cause else ""
+    return StageFailedError(
+        f"the {stage} trainer exited with status {code}{because}; see {log_path}"
+    )
+
+
+def _last_exception_line(log_path: Path, tail_bytes: int = 64 * 1024) -> str | None:
+    try:
+        with log_path.open("rb") as log:
+            log.seek(max(0, log_path.stat().st_size - tail_bytes))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        found = _EXCEPTION_LINE.match(line.strip())
+        if found and _TORCHRUN_SUMMARY not in line:
+            return found.group(1)
+    return None
 
 
 def _start_trainer(config: PrimeflowConfig, stage: Stage) -> TrainerPool:
@@ -93,7 +128,7 @@ def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[s
         finally:
             _finish_trainer(config, "sft", pool)
     if code != 0:
-        raise StageFailedError(f"the SFT trainer exited with status {code}; see {pool.log_path}")
+        raise _trainer_failure("SFT", code, pool.log_path)
     return _outcome(config, "sft", monitor.last_step, time.perf_counter() - started)
 
 
@@ -133,7 +168,7 @@ def rl_loop(
             _stop_orchestrator(orchestrator, stop)
             _finish_trainer(config, "rl", trainer)
     if code != 0:
-        raise StageFailedError(f"the RL trainer exited with status {code}; see {trainer.log_path}")
+        raise _trainer_failure("RL", code, trainer.log_path)
     return _outcome(config, "rl", monitor.last_step, time.perf_counter() - started)
 
 

@@ -20,14 +20,17 @@ from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import local_run_dir, run_store
+from storage.commit import committed_steps
 from storage.errors import PermanentStorageError
 from storage.layout import RunLayout
+from tasks.stages import StageFailedError
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
     commit_times,
     poll_until,
     rollouts_at,
+    run_rl_stage,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -95,3 +98,32 @@ def test_read_only_run_root_fails_with_one_line_naming_the_uri_and_resumes_once_
     assert run_orchestrator(config, pool) == 0
     assert_every_step_committed_once(store, MAX_STEPS, checkpoints=False)
     assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))
+
+
+@pytest.mark.timeout(420)
+def test_read_only_checkpoints_fail_the_rl_stage_with_one_line_naming_the_uri(
+    pool: InferencePool, rl_config: Any, prefect_api: str, tmp_path: Path, leftovers: Any
+) -> None:
+    """The trainer's side: it cannot commit its first checkpoint. The stage (and its retry)
+    fail with the rank's error in one line; once writable, the run completes."""
+    lock, unlock = read_only_commands(tmp_path / "probe")
+    config = rl_config(max_steps=2)
+    store = run_store(config)
+    checkpoints = local_run_dir(config) / RunLayout.CHECKPOINTS
+    checkpoints.mkdir(parents=True)
+    subprocess.run([*lock, str(checkpoints)], check=True)
+    try:
+        with pytest.raises(StageFailedError) as failed:
+            run_rl_stage(config, pool)
+        rollouts = commit_times(store, RunLayout.ROLLOUTS)
+    finally:
+        subprocess.run([*unlock, str(checkpoints)], check=True)
+
+    message = str(failed.value)
+    assert "\n" not in message, message
+    assert f"PermanentStorageError: {store.url(RunLayout.checkpoint_dir(1))}" in message, message
+    assert committed_steps(store, RunLayout.CHECKPOINTS) == []
+    assert run_rl_stage(config, pool)["checkpoint_step"] == 2
+    assert_every_step_committed_once(store, 2)
+    assert_unchanged(rollouts, commit_times(store, RunLayout.ROLLOUTS))
+    assert leftovers() == []
