@@ -50,7 +50,10 @@ _HASHERS: dict[str, Callable[[], _Hasher]] = {
     "sha256": hashlib.sha256,
 }
 _CHUNK = 8 * 2**20
-_WRITE_PIECE = 2**19
+# Size of the pieces `HashingWriter` hashes and then writes (measured on 256 MB of shards):
+# 512 KiB pieces cost ~4 ms more CPU in write calls, 128 KiB ~19 ms; one unsplit write lets
+# the hash and the write each read the bytes from memory (~9 ms more).
+_WRITE_PIECE = 2 * 2**20
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
 
+import numpy as np
 import pytest
+import xxhash
 
+from storage import commit
 from storage.commit import (
     MARKER,
     FileDigest,
+    HashingWriter,
     begin_step,
     commit_step,
     committed_steps,
@@ -28,7 +33,7 @@ from storage.errors import (
     StepTimeoutError,
 )
 from storage.layout import RunLayout
-from storage.store import ObjectStore
+from storage.store import Bytes, ObjectStore
 
 PARENT = "rollouts"
 
@@ -180,3 +185,26 @@ def test_wait_for_step_times_out_naming_the_step(memory_store: ObjectStore) -> N
         wait_for_step(memory_store, PARENT, 7, timeout_s=0.2, poll_s=0.05)
     assert info.value.uri == memory_store.url(RunLayout.rollouts_dir(7))
     assert "step 7 was not committed within 0.2s" in str(info.value)
+
+
+def test_hashing_writer_digest_equals_the_plain_hash() -> None:
+    # Large writes are hashed and written piece by piece; the digest must be the plain xxh3 of
+    # the bytes in order, whether a write was split or not and whatever its item type.
+    rng = np.random.default_rng(0)
+    large = rng.integers(0, 2**31, size=commit._WRITE_PIECE * 2 // 4 + 3, dtype=np.int32)
+    pieces: list[Bytes] = [
+        b"header",
+        memoryview(large),  # int32 items: hashed as their bytes
+        memoryview(large.reshape(-1, 1)[:1024]),  # 2-D and small
+        memoryview(rng.random(commit._WRITE_PIECE * 2 // 8 * 3, dtype=np.float64).reshape(3, -1)),
+        b"",
+        bytearray(b"footer"),
+    ]
+    raw = io.BytesIO()
+    writer = HashingWriter(raw)
+    for piece in pieces:
+        assert writer.write(piece) == memoryview(piece).nbytes
+    expected = b"".join(memoryview(piece).cast("B").tobytes() for piece in pieces)
+    assert raw.getvalue() == expected
+    assert writer.tell() == len(expected)
+    assert writer.digest() == FileDigest(len(expected), xxhash.xxh3_128(expected).hexdigest())
