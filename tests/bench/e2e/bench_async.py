@@ -2,12 +2,11 @@
 
 Both variants run in one process, one after the other, against one vLLM CPU server and from
 the same SFT checkpoint, with the demo's task, model, batch and sampling
-(`configs/reverse_text/pipeline.toml`). The trainer and the vLLM server are pinned to separate
-cores: the trainer pool is started while this process is bound to core 0 (torchrun and its
-rank inherit the mask; the rank runs one torch thread), the server is started bound to core 1
-(`inference.cpu_cores` binds vLLM's OpenMP threads there as well). Pinning isolates the point
-of async RL: with level 0 the trainer waits for rollouts and vLLM waits for each checkpoint;
-with level 1 they overlap.
+(`configs/reverse_text/pipeline.toml`). The trainer and the vLLM server run on separate
+cores, as that config places them: the trainer's rank on core 0 with one torch thread
+(`trainer.cpu_cores`), the whole server on core 1 (`inference.cpu_cores`). Pinning isolates
+the point of async RL: with level 0 the trainer waits for rollouts and vLLM waits for each
+checkpoint; with level 1 they overlap.
 
 Reported per variant: RL steps per second over steps 2..N (the first step pays start-up
 costs), the steps' mean reward, and the time to reach a training reward (5-step moving average
@@ -22,13 +21,12 @@ Needs at least 2 cores.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,41 +42,15 @@ ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs/reverse_text/pipeline.toml"
 
 
-@contextlib.contextmanager
-def pinned(cores: set[int]) -> Iterator[None]:
-    """Bind this process (and what it starts meanwhile) to `cores`; restore on exit."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-@contextlib.contextmanager
-def env(**values: str) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def base_config(root: Path, args: Sequence[str] = ()) -> PrimeflowConfig:
     return load_config(["@", str(DEMO), "--storage.uri", f"file://{root}", *args])
 
 
-def train_sft(config: PrimeflowConfig, trainer_cores: set[int]) -> str:
+def train_sft(config: PrimeflowConfig) -> str:
     """Run the demo's SFT stage; the URI of its last checkpoint."""
     config = with_overrides(config, {"run.name": "sft"})
     pool = TrainerPool(config, "sft", log_path=local_run_dir(config) / "logs" / "trainer-sft.log")
-    with pinned(trainer_cores):
-        pool.start()
+    pool.start()
     try:
         code = pool.wait()
     finally:
@@ -116,7 +88,6 @@ def run_variant(
     pool: InferencePool,
     sft_checkpoint: str,
     level: int,
-    trainer_cores: set[int],
     target: float | None,
 ) -> Variant:
     config = with_overrides(
@@ -132,8 +103,7 @@ def run_variant(
         config, "rl", log_path=local_run_dir(config) / "logs" / f"trainer-async{level}.log"
     )
     start = time.time()
-    with pinned(trainer_cores), env(OMP_NUM_THREADS="1"):
-        trainer.start()
+    trainer.start()
     try:
         run_orchestrator(config, pool)
         code = trainer.wait()
@@ -175,18 +145,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs at least 2 cores: one for the trainer, one for vLLM")
-    trainer_cores, inference_cores = {0}, {1}
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-e2e-"))
     config = base_config(workdir, [f"--max-steps={args.steps}", *args.overrides])
-    config = with_overrides(config, {"inference.cpu_cores": ["1"]})
     load_before = os.getloadavg()
-    sft_checkpoint = args.sft_checkpoint or train_sft(config, trainer_cores)
-    with pinned(inference_cores):
-        pool = InferencePool(config.inference, log_dir=workdir / "logs")
-        pool.start()
+    sft_checkpoint = args.sft_checkpoint or train_sft(config)
+    pool = InferencePool(config.inference, log_dir=workdir / "logs")
+    pool.start()
     try:
         variants = [
-            run_variant(config, pool, sft_checkpoint, int(level), trainer_cores, args.target)
+            run_variant(config, pool, sft_checkpoint, int(level), args.target)
             for level in args.levels.split(",")
         ]
     finally:

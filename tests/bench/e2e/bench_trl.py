@@ -19,20 +19,21 @@ keeps one up across stages); TRL's when its process starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from engine.envs.reverse_text import make_splits, prompt_messages
 from engine.inference.checkpoints import local_checkpoint
 from engine.inference.pool import InferencePool
 from engine.models.tiny import default_cache_dir
-from tests.bench.e2e.bench_async import _moving, base_config, pinned, run_variant
+from tests.bench.e2e.bench_async import _moving, base_config, run_variant
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,6 +59,17 @@ def json_lines(text: str) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return found
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int]) -> Iterator[None]:
+    """Bind this process (and what it starts meanwhile) to `cores`; restore on exit."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def run_trl(
@@ -116,14 +128,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "lr": lr,
     }
     if not args.skip_primeflow:
-        from engine.config import with_overrides
-
-        config = with_overrides(config, {"inference.cpu_cores": ["1"]})
-        with pinned({1}):
-            pool = InferencePool(config.inference, log_dir=workdir / "logs")
-            pool.start()
+        pool = InferencePool(config.inference, log_dir=workdir / "logs")
+        pool.start()
         try:
-            variant = run_variant(config, pool, args.sft_checkpoint, 1, {0}, args.target)
+            variant = run_variant(config, pool, args.sft_checkpoint, 1, args.target)
         finally:
             pool.stop()
         result["primeflow"] = {
