@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 EXTRAS ?= cpu,s3,gcs,wandb,dev
 CONFIG ?= configs/reverse_text/pipeline.toml
 
-.PHONY: setup run test lint format bench clean-venv
+.PHONY: setup run test lint format bench soak clean-venv
 .DEFAULT_GOAL := run
 
 setup: $(VENV)/.installed
@@ -34,6 +34,9 @@ test: lint
 
 bench: setup
 	$(BIN)/python -m pytest tests/bench -s
+
+soak: setup  # 300 RL steps of the demo with memory and step time watched (~20-30 min on 2 cores)
+	$(BIN)/python -m tests.soak.soak --out soak.json
 
 format: setup
 	$(BIN)/ruff check --fix .
