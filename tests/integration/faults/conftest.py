@@ -43,6 +43,9 @@ def rl_config(
             "envs": [EnvConfig(id="reverse-text", args={"num_train_examples": 64})],
             "max_async_level": 1,
             "policy_timeout_s": 300.0,
+            # One group in flight: steps follow each other instead of finishing together, so a
+            # fault thread that strikes after step 1 meets a run with steps still to make.
+            "max_concurrent": 4,
             **sections.pop("orchestrator", {}),
         }
         return make_config(

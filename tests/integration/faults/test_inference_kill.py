@@ -35,7 +35,7 @@ from tests.integration.vllm import Weights, pool_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MAX_STEPS = 3
+MAX_STEPS = 4
 
 
 def kill_servers_after(
@@ -59,8 +59,8 @@ def test_killed_server_stops_the_run_with_one_line_and_the_run_resumes(
     tmp_path: Path,
     leftovers: Any,
 ) -> None:
-    # Async level 3: every step may use the base policy, so no trainer is needed here.
-    config = rl_config(max_steps=MAX_STEPS, orchestrator={"max_async_level": 3})
+    # Async level MAX_STEPS: every step may use the base policy, so no trainer is needed here.
+    config = rl_config(max_steps=MAX_STEPS, orchestrator={"max_async_level": MAX_STEPS})
     store = run_store(config)
     doomed = InferencePool(pool_config(weights), log_dir=tmp_path / "doomed-logs")
     doomed.start()
@@ -81,7 +81,8 @@ def test_killed_server_stops_the_run_with_one_line_and_the_run_resumes(
     message = str(failed.value)
     assert "\n" not in message and endpoint.base_url in message, message
     assert "ConnectError" in message or "RemoteProtocolError" in message, message
-    assert max(seen["rollouts"]) >= 1 and latest_committed_step(store, RunLayout.ROLLOUTS) < 3
+    assert 1 <= max(seen["rollouts"]) <= (latest_committed_step(store, RunLayout.ROLLOUTS) or 0)
+    assert latest_committed_step(store, RunLayout.ROLLOUTS) < MAX_STEPS
     assert leftovers() == []
 
     # Started again on a live server: continues after its last committed step, loses nothing.

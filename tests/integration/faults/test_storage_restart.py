@@ -32,7 +32,7 @@ from tests.integration.storage.test_transient import restartable  # noqa: F401  
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MAX_STEPS = 3
+MAX_STEPS = 4
 OUTAGE_S = 2.0
 
 
