@@ -46,6 +46,9 @@ _EXCEPTION_LINE = re.compile(
 )
 #: torchrun's own report that a rank failed: it says nothing about why.
 _TORCHRUN_SUMMARY = "ChildFailedError"
+#: Written to the (appended) trainer log before each start, so a failure is read from the lines
+#: of its own attempt, never from an earlier attempt's.
+_START_LINE = "=== primeflow: trainer pool started"
 
 
 def _trainer_failure(stage: str, code: int, log_path: Path | None) -> StageFailedError:
@@ -66,6 +69,8 @@ def _last_exception_line(log_path: Path, tail_bytes: int = 64 * 1024) -> str | N
     except OSError:
         return None
     for line in reversed(lines):
+        if line.startswith(_START_LINE):
+            break
         found = _EXCEPTION_LINE.match(line.strip())
         if found and _TORCHRUN_SUMMARY not in line:
             return found.group(1)
@@ -74,7 +79,11 @@ def _last_exception_line(log_path: Path, tail_bytes: int = 64 * 1024) -> str | N
 
 def _start_trainer(config: PrimeflowConfig, stage: Stage) -> TrainerPool:
     log_dir = local_run_dir(config) / RunLayout.LOGS
-    pool = TrainerPool(config, stage, log_path=log_dir / f"trainer-{stage}.log")
+    log_path = log_dir / f"trainer-{stage}.log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+        log.write(f"{_START_LINE} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+    pool = TrainerPool(config, stage, log_path=log_path)
     pool.start()
     record_group(log_dir, f"trainer-{stage}", pool.pgid)
     get_run_logger().info("%s: trainer pool started (log: %s)", stage, pool.log_path)

@@ -1,4 +1,4 @@
-"""What the fault tests check after a fault: commits, metric lines, processes."""
+"""How the fault tests run a stage and strike mid-run, and what they check afterwards."""
 
 from __future__ import annotations
 
