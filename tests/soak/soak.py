@@ -6,11 +6,11 @@
 Runs `primeflow pipeline @ configs/reverse_text/pipeline.toml` (SFT, then `--steps` RL steps,
 small evaluations) as a user would, and samples the resident memory (RSS) of the flow process
 and of everything it started (the vLLM server's processes, torchrun, the trainer rank) every few
-seconds, with the RL step the run had committed at that moment. Reported per process: RSS after
-warm-up (the first sample at or after RL step `--warmup`) and the largest RSS over the last
-tenth of the RL steps, and the growth between them (target < 10%); and the RL step time per
-block of 50 steps, from the trainer's metric lines (steady, or drifting?). Exits 1 when the run
-fails or a process grows by 10% or more.
+seconds, with the RL step the run had committed at that moment. Reported per process: the peak
+RSS over the first tenth of the RL steps after `--warmup` and over the last tenth, and the
+growth between them (target < 10%); and the RL step time per block of 50 steps, from the
+trainer's metric lines (steady, or drifting?). Exits 1 when the run fails or a process grows by
+10% or more.
 """
 
 from __future__ import annotations
@@ -73,20 +73,26 @@ def sample(flow: psutil.Process) -> dict[str, float]:
 
 
 def growth(samples: list[dict[str, Any]], warmup: int, steps: int) -> dict[str, dict[str, float]]:
-    """Per role: RSS at the first sample at or after step `warmup`, the peak over the last
-    tenth of the steps, and their ratio minus one."""
-    tail_from = steps - max(1, steps // 10)
+    """Per role: the peak RSS over the first tenth of the RL steps after warm-up and over the
+    last tenth, and their ratio minus one.
+
+    Peaks of equal windows, not a single sample against a peak: the trainer's RSS swings by
+    ~30% within a step (activations, Arrow tables), so one sample against a window's peak
+    would measure where in its step the sample fell.
+    """
+    width = max(1, steps // 10)
     result = {}
     roles = {name for entry in samples for name in entry["rss"]}
     for name in sorted(roles):
-        after = [s["rss"][name] for s in samples if s["step"] >= warmup and name in s["rss"]]
-        tail = [s["rss"][name] for s in samples if s["step"] >= tail_from and name in s["rss"]]
-        if not after or not tail:
+        present = [s for s in samples if name in s["rss"]]
+        first = [s["rss"][name] for s in present if warmup <= s["step"] < warmup + width]
+        last = [s["rss"][name] for s in present if s["step"] >= steps - width]
+        if not first or not last:
             continue  # a process of SFT or evaluation only: not long-lived through RL
         result[name] = {
-            "after_warmup_mib": after[0],
-            "tail_peak_mib": max(tail),
-            "growth": max(tail) / after[0] - 1,
+            "after_warmup_peak_mib": max(first),
+            "last_tenth_peak_mib": max(last),
+            "growth": max(last) / max(first) - 1,
         }
     return result
 
@@ -152,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsoak: exit {process.returncode}, {report['wall_s'] / 60:.1f} min, run {runs}/soak")
     for name, entry in report["memory"].items():
         print(
-            f"  {name:18} RSS {entry['after_warmup_mib']:7.0f} MiB at step {args.warmup} -> "
-            f"peak {entry['tail_peak_mib']:7.0f} MiB in the last tenth: {entry['growth']:+.1%}"
+            f"  {name:18} peak RSS {entry['after_warmup_peak_mib']:7.0f} MiB after warm-up -> "
+            f"{entry['last_tenth_peak_mib']:7.0f} MiB in the last tenth: {entry['growth']:+.1%}"
         )
     for block in report["step_times"]:
         print(f"  RL steps {block['steps']:>9}: {block['seconds_per_step']:.2f} s/step")
