@@ -2,8 +2,8 @@
 # The trainer's GPU runs on an H200 machine (see docs/benchmarks.md, "Trainer").
 #   attention: attention kernels on the benchmark's shape
 #   bench: the 1-GPU benchmark (variants in $VARIANTS, default all), then primeflow on 2 GPUs
-#   scaling: primeflow on 1 GPU then on 2, $REPEATS times (default 3), shape $SHAPE (0.6b);
-#            each pair's efficiency = 2-GPU tokens/s ÷ (2 × 1-GPU tokens/s)
+#   scaling: primeflow on 1 GPU then on $GPUS (default 2), $REPEATS times (default 3), shape
+#            $SHAPE (0.6b); each pair's efficiency = N-GPU tokens/s ÷ (N × 1-GPU tokens/s)
 #   tests: tests/gpu (2-GPU NCCL equivalence, bf16 + compile, FA2 varlen)
 # Logs and JSON go to ${OUT:-/tmp/primeflow-bench}.
 set -uo pipefail
@@ -28,12 +28,12 @@ for stage in "$@"; do
       for i in $(seq "${REPEATS:-3}"); do
         CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m tests.bench.trainer.bench_trainer --variants primeflow \
           --shape "${SHAPE:-0.6b}" --json "$OUT/scaling_1gpu_$i.json" > "$OUT/scaling_1gpu_$i.log" 2>&1
-        timeout 200 torchrun --standalone --nproc-per-node 2 -m tests.bench.trainer.bench_trainer \
-          --variants primeflow --shape "${SHAPE:-0.6b}" --json "$OUT/scaling_2gpu_$i.json" \
-          > "$OUT/scaling_2gpu_$i.log" 2>&1
+        timeout 200 torchrun --standalone --nproc-per-node "${GPUS:-2}" -m tests.bench.trainer.bench_trainer \
+          --variants primeflow --shape "${SHAPE:-0.6b}" --json "$OUT/scaling_ngpu_$i.json" \
+          > "$OUT/scaling_ngpu_$i.log" 2>&1
       done
       python3 -m tests.bench.trainer.scaling $(for i in $(seq "${REPEATS:-3}"); do
-        echo "$OUT/scaling_1gpu_$i.json" "$OUT/scaling_2gpu_$i.json"; done) | tee "$OUT/scaling.txt" ;;
+        echo "$OUT/scaling_1gpu_$i.json" "$OUT/scaling_ngpu_$i.json"; done) | tee "$OUT/scaling.txt" ;;
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
