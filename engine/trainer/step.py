@@ -70,14 +70,33 @@ def forward_micro_batch(
     return loss_sum, metric_sums
 
 
-def _grad_norm(policy: PolicyModel, max_norm: float | None) -> float:
-    """Clip the global gradient norm (when configured) and return it before clipping."""
+def _clip(policy: PolicyModel, max_norm: float | None) -> Tensor:
+    """Clip the global gradient norm (when configured); the norm before clipping, on the device.
+
+    Nothing here reads the norm on the host, so the clip's kernels queue behind backward's.
+    """
     norm = torch.nn.utils.clip_grad_norm_(
         policy.parameters(), max_norm if max_norm is not None else math.inf
     )
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _step_if_finite(optimizer: Optimizer, norm: Tensor) -> None:
+    """Step unless the gradient norm is inf/NaN (one bad batch must not wreck the weights).
+
+    Fused AdamW (GPU) takes the verdict as a device tensor, the way `GradScaler` hands it over
+    (`found_inf`: the kernel leaves weights, moments and step counts alone when it is nonzero),
+    so the step never waits for the host to read the norm; that wait left the GPU idle ~10 ms a
+    step. Other optimizers read the norm first.
+    """
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif math.isfinite(float(norm)):
+        optimizer.step()
 
 
 def _accumulate(sums: dict[str, Tensor], values: dict[str, Tensor]) -> None:
@@ -122,16 +141,17 @@ def train_step(
             loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
             normalise(loss_sum, global_loss_tokens, ctx.dist.world_size).backward()
         _accumulate(sums, {"loss": loss_sum.detach(), **metric_sums})
-    grad_norm = _grad_norm(ctx.policy, max_grad_norm)
+    norm = _clip(ctx.policy, max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
-    skipped = global_loss_tokens == 0 or not math.isfinite(grad_norm)
-    if not skipped:
-        optimizer.step()
+    if global_loss_tokens > 0:
+        _step_if_finite(optimizer, norm)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    grad_norm = float(norm)
+    skipped = global_loss_tokens == 0 or not math.isfinite(grad_norm)
 
     local_tokens = sum(int(rows.real_tokens().sum()) for rows in micro_batches)
     totals = all_reduce_sum({**_to_floats(sums), "tokens": local_tokens}, device)

@@ -17,6 +17,7 @@ from engine.trainer.pool import run_trainer
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps
+from tests.unit.trainer.test_step import check_skip_then_step, nan_loss, two_steps
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -103,3 +104,8 @@ def test_varlen_packed_rows_equal_unpacked_samples(tiny_model_dir: Path) -> None
                     packed[offset : offset + n - 1], alone[: n - 1], atol=3e-2, rtol=3e-2
                 )
                 start += n
+
+
+def test_a_non_finite_gradient_skips_the_fused_update_on_the_device(tiny_model_dir: Path) -> None:
+    # Fused AdamW gets the verdict as a device tensor (`found_inf`); nothing reads the norm first.
+    check_skip_then_step(two_steps(tiny_model_dir, nan_loss, backend="nccl"))

@@ -1,0 +1,81 @@
+"""One optimizer step: a batch whose gradient norm is not finite leaves the weights alone.
+
+The same check runs on GPU (`tests/gpu`), where fused AdamW skips on the device instead of the
+host reading the norm first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config.trainer import ConstantSchedulerConfig, OptimizerConfig
+from engine.trainer.batching import micro_batches
+from engine.trainer.distributed import init_distributed
+from engine.trainer.loss import LossFn, LossInputs, LossOutputs, sft_loss
+from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
+from engine.trainer.optim import build_optimizer
+from engine.trainer.packing import Sample, pack_samples
+from engine.trainer.schedule import build_scheduler
+from engine.trainer.step import StepContext, train_step
+
+
+def nan_loss(inputs: LossInputs) -> LossOutputs:
+    outputs = sft_loss(inputs)
+    return replace(outputs, token_loss=outputs.token_loss * float("nan"))
+
+
+def two_steps(model_dir: Path, first: LossFn, backend: str = "gloo") -> list[dict]:
+    """Step with `first`, then with the SFT loss; per step its metrics, the weights after it
+    (full tensors, on the CPU) and the optimizer's step counts."""
+    dist = init_distributed(backend)  # type: ignore[arg-type]
+    dtype = compute_dtype("auto", dist.device)
+    options = ModelOptions(compute_dtype=dtype)
+    policy = build_policy(load_causal_lm(str(model_dir), options), dist.mesh, dist.device, options)
+    ctx = StepContext(policy=policy, dist=dist, compute_dtype=dtype)
+    optimizer = build_optimizer(policy, OptimizerConfig(lr=1e-2), dist.device)
+    scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), 10)
+    rng = np.random.default_rng(0)
+    samples = [
+        Sample(rng.integers(0, 100, n), np.ones(n, bool), np.zeros(n, np.float32))
+        for n in (30, 20, 40)
+    ]
+    rows = pack_samples(samples, 64)
+    loss_tokens = int(rows.loss_mask.sum())
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {
+            name: getattr(p, "full_tensor", lambda p=p: p)().detach().float().cpu().clone()
+            for name, p in policy.named_parameters()
+        }
+
+    results = [{"metrics": {}, "weights": weights(), "steps": []}]
+    for loss_fn in (first, sft_loss):
+        metrics = train_step(
+            ctx, optimizer, scheduler, micro_batches(rows, 2), loss_fn, loss_tokens, 1.0
+        )
+        steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
+        results.append({"metrics": metrics, "weights": weights(), "steps": steps})
+    return results
+
+
+def check_skip_then_step(results: list[dict]) -> None:
+    start, skipped, stepped = results
+    assert skipped["metrics"]["skipped"] == 1.0
+    assert not np.isfinite(skipped["metrics"]["grad_norm"])
+    for name, tensor in start["weights"].items():
+        torch.testing.assert_close(skipped["weights"][name], tensor, rtol=0, atol=0, msg=name)
+    assert set(skipped["steps"]) <= {0.0}, "a skipped step must not count for Adam"
+    assert stepped["metrics"]["skipped"] == 0.0
+    assert stepped["steps"] and set(stepped["steps"]) == {1.0}
+    assert any(
+        not torch.equal(stepped["weights"][name], tensor)
+        for name, tensor in start["weights"].items()
+    )
+
+
+def test_a_non_finite_gradient_skips_the_update(tiny_model_dir: Path) -> None:
+    check_skip_then_step(two_steps(tiny_model_dir, nan_loss))
