@@ -84,19 +84,6 @@ def digest_bytes(data: Bytes, algorithm: str = DEFAULT_ALGORITHM) -> FileDigest:
     )
 
 
-def digest_file(
-    local_path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM
-) -> FileDigest:
-    """The digest of a local file, read in chunks so large files need little memory."""
-    hasher = _HASHERS[algorithm]()
-    size = 0
-    with open(local_path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            hasher.update(chunk)
-            size += len(chunk)
-    return FileDigest(size=size, checksum=hasher.hexdigest(), algorithm=algorithm)
-
-
 class _SizedHasher:
     """A hasher that also counts the bytes it has seen."""
 
@@ -113,6 +100,17 @@ class _SizedHasher:
         return FileDigest(
             size=self.size, checksum=self._hasher.hexdigest(), algorithm=self.algorithm
         )
+
+
+def digest_file(
+    local_path: str | os.PathLike[str], algorithm: str = DEFAULT_ALGORITHM
+) -> FileDigest:
+    """The digest of a local file, read in chunks so large files need little memory."""
+    hasher = _SizedHasher(algorithm)
+    with open(local_path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            hasher.update(chunk)
+    return hasher.digest()
 
 
 class HashingWriter:

@@ -8,10 +8,8 @@ Prefect.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -39,51 +37,18 @@ class StageFailedError(RuntimeError):
     """A stage's process exited with an error; the message names its log."""
 
 
-#: A Python exception's summary line in a log: `package.module.SomeError: message`, after the
-#: `[rank0]: ` that torchrun puts before each line of a rank's output.
-_EXCEPTION_LINE = re.compile(
-    r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): \S.*)$"
-)
-#: torchrun's own report that a rank failed: it says nothing about why.
-_TORCHRUN_SUMMARY = "ChildFailedError"
-#: Written to the (appended) trainer log before each start, so a failure is read from the lines
-#: of its own attempt, never from an earlier attempt's.
-_START_LINE = "=== primeflow: trainer pool started"
-
-
-def _trainer_failure(stage: str, code: int, log_path: Path | None) -> StageFailedError:
-    """One line: the exit status, the error the rank died of (its log's last exception line,
-    e.g. a `PermanentStorageError` naming the URI it could not write) and where the log is."""
-    cause = _last_exception_line(log_path) if log_path is not None else None
+def _trainer_failure(stage: str, code: int, pool: TrainerPool) -> StageFailedError:
+    """One line: the exit status, the error the rank died of and where the log is."""
+    cause = pool.last_error()
     because = f": {cause}" if cause else ""
     return StageFailedError(
-        f"the {stage} trainer exited with status {code}{because}; see {log_path}"
+        f"the {stage} trainer exited with status {code}{because}; see {pool.log_path}"
     )
-
-
-def _last_exception_line(log_path: Path, tail_bytes: int = 64 * 1024) -> str | None:
-    try:
-        with log_path.open("rb") as log:
-            log.seek(max(0, log_path.stat().st_size - tail_bytes))
-            lines = log.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        if line.startswith(_START_LINE):
-            break
-        found = _EXCEPTION_LINE.match(line.strip())
-        if found and _TORCHRUN_SUMMARY not in line:
-            return found.group(1)
-    return None
 
 
 def _start_trainer(config: PrimeflowConfig, stage: Stage) -> TrainerPool:
     log_dir = local_run_dir(config) / RunLayout.LOGS
-    log_path = log_dir / f"trainer-{stage}.log"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with log_path.open("a") as log:
-        log.write(f"{_START_LINE} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
-    pool = TrainerPool(config, stage, log_path=log_path)
+    pool = TrainerPool(config, stage, log_path=log_dir / f"trainer-{stage}.log")
     pool.start()
     record_group(log_dir, f"trainer-{stage}", pool.pgid)
     get_run_logger().info("%s: trainer pool started (log: %s)", stage, pool.log_path)
@@ -137,7 +102,7 @@ def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[s
         finally:
             _finish_trainer(config, "sft", pool)
     if code != 0:
-        raise _trainer_failure("SFT", code, pool.log_path)
+        raise _trainer_failure("SFT", code, pool)
     return _outcome(config, "sft", monitor.last_step, time.perf_counter() - started)
 
 
@@ -177,7 +142,7 @@ def rl_loop(
             _stop_orchestrator(orchestrator, stop)
             _finish_trainer(config, "rl", trainer)
     if code != 0:
-        raise _trainer_failure("RL", code, trainer.log_path)
+        raise _trainer_failure("RL", code, trainer)
     return _outcome(config, "rl", monitor.last_step, time.perf_counter() - started)
 
 

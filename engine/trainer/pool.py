@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +27,17 @@ from engine.config import PrimeflowConfig
 from engine.trainer.supervision import SUPERVISOR_ENV
 
 Stage = Literal["sft", "rl"]
+
+#: A Python exception's summary line in a log: `package.module.SomeError: message`, after the
+#: `[rank0]: ` that torchrun puts before each line of a rank's output.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): \S.*)$"
+)
+#: torchrun's own report that a rank failed: it says nothing about why.
+_TORCHRUN_SUMMARY = "ChildFailedError"
+#: Written to the (appended) log before each start, so a failure is read from the lines of its
+#: own attempt, never from an earlier attempt's.
+_START_LINE = "=== primeflow: trainer pool started"
 
 
 def torchrun_command(config: PrimeflowConfig, stage: Stage, config_path: Path) -> list[str]:
@@ -81,6 +94,8 @@ class TrainerPool:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = self.log_path.open("ab")
+            log.write(f"{_START_LINE} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+            log.flush()
         try:
             self.process = subprocess.Popen(
                 torchrun_command(self.config, self.stage, config_path),
@@ -92,6 +107,25 @@ class TrainerPool:
         finally:
             if log is not None:
                 log.close()
+
+    def last_error(self, tail_bytes: int = 64 * 1024) -> str | None:
+        """The last exception line this start's ranks logged (e.g. a `PermanentStorageError`
+        naming the URI it could not write), or None."""
+        if self.log_path is None:
+            return None
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(max(0, self.log_path.stat().st_size - tail_bytes))
+                lines = log.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            if line.startswith(_START_LINE):
+                break
+            found = _EXCEPTION_LINE.match(line.strip())
+            if found and _TORCHRUN_SUMMARY not in line:
+                return found.group(1)
+        return None
 
     def poll(self) -> int | None:
         """torchrun's exit status, or None while it runs."""

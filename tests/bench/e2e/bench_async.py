@@ -133,6 +133,14 @@ def run_variant(
     )
 
 
+def emit(result: dict, out: str | None) -> None:
+    """Print the result as JSON, and write it to `out` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.e2e.bench_async")
     parser.add_argument("--sft-checkpoint", help="URI of the SFT checkpoint (else train one)")
@@ -170,10 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     if 0 in by_level and 1 in by_level:
         result["async1_over_async0_steps_per_s"] = by_level[1].steps_per_s / by_level[0].steps_per_s
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

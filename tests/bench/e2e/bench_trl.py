@@ -33,7 +33,7 @@ from engine.envs.reverse_text import make_splits, prompt_messages
 from engine.inference.checkpoints import local_checkpoint
 from engine.inference.pool import InferencePool
 from engine.models.tiny import default_cache_dir
-from tests.bench.e2e.bench_async import _moving, base_config, run_variant
+from tests.bench.e2e.bench_async import _moving, base_config, emit, run_variant
 
 HERE = Path(__file__).resolve().parent
 
@@ -159,10 +159,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     theirs = result["trl"]["seconds_to_target"]
     if ours and theirs:
         result["trl_over_primeflow_time_to_target"] = theirs / ours
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 
