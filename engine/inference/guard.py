@@ -1,7 +1,7 @@
 """ASGI middleware that keeps vLLM's control routes to local callers holding the API key.
 
 The pool needs vLLM's dev-mode routes (`/collective_rpc`, `/pause`, `/resume`,
-`/update_weight_version`, ...) to swap weights, but vLLM guards only `/v1/...` with the API key
+`/reset_prefix_cache`, ...) to swap weights, but vLLM guards only `/v1/...` with the API key
 and serves everything else to anyone who can reach the port. When a server is bound beyond
 loopback that would let any host on the network load arbitrary files as weights. This
 middleware (loaded into each server with vLLM's `--middleware`) refuses every route outside a

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -34,6 +35,8 @@ from engine.models.tiny import default_cache_dir
 POOL_RECORD = "inference-pool.json"
 _PORT_IN_USE = "port already in use"
 _RELOAD_METHOD = "primeflow_reload"
+_VERSION_METHOD = "primeflow_version"
+_COMPARE_METHOD = "primeflow_compare"
 
 
 class InferencePoolError(RuntimeError):
@@ -129,7 +132,7 @@ class InferencePool:
             ]
             for server in self._servers:
                 with self._control(server) as http:
-                    _set_version(http, 0)
+                    _confirm_version(self._rpc(http, _VERSION_METHOD), 0)
         except (ReloadError, httpx.HTTPError) as exc:
             self.stop()
             raise InferencePoolError(f"a server started but did not take commands: {exc}") from exc
@@ -303,22 +306,52 @@ class InferencePool:
         return None
 
     def _reload_server(self, server: ServerProcess, folder: Path, version: int) -> None:
-        """Pause (in-flight requests freeze), load, stamp the version, confirm it, resume."""
+        """Pause (in-flight requests freeze), load, drop every cached KV block, resume.
+
+        Each worker reports the version it loaded: that is the proof the server took it, on
+        every vLLM release. The prefix cache and the KV of paused requests were computed by the
+        old weights, so they are reset with the running requests preempted: those recompute
+        their context under the new weights when generation resumes, and no sample ever mixes
+        KV of two policies (its sampled tokens keep the oldest policy version, as recorded).
+        The pause itself clears nothing (`clear_cache=false`): vLLM releases differ there, and
+        one explicit reset after the load is the same on all of them.
+        """
         endpoint = self.endpoints[server.spec.index]
         with self._control(server) as http:
-            _expect_ok(http.post("/pause", params={"mode": "keep"}), "pause")
+            pause = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            _expect_ok(pause, "pause")
             try:
-                body = {
-                    "method": _RELOAD_METHOD,
-                    "args": [str(folder)],
-                    "timeout": self.config.reload_timeout_s,
-                }
-                _expect_ok(http.post("/collective_rpc", json=body), "reload")
-                _set_version(http, version)
+                results = self._rpc(http, _RELOAD_METHOD, str(folder), str(version))
+                _confirm_version(results, version)
+                _reset_kv_cache(http)
                 endpoint.policy_version = version
             finally:
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")
+
+    def _rpc(self, http: httpx.Client, method: str, *args: str) -> list[dict[str, Any]]:
+        """Call the reload extension's `method` on every worker of one server; their answers."""
+        body = {"method": method, "args": list(args), "timeout": self.config.reload_timeout_s}
+        response = http.post("/collective_rpc", json=body)
+        _expect_ok(response, method)
+        results = response.json().get("results")
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise ReloadError(f"{method} answered {response.text[:200]!r}, not one dict a worker")
+        return results
+
+    def compare_served(self, checkpoint: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """Each server's bit-for-bit comparison of its served weights with `checkpoint`.
+
+        One report per worker (see `reload_ext.compare_served`): `compared`, `mismatched`,
+        `max_abs_diff`, `packed_away`, `version`. A check for tests and audits, not the hot path.
+        """
+        folder = local_checkpoint(os.fspath(checkpoint), self.cache_dir)
+        reports: list[dict[str, Any]] = []
+        with self._reload_lock:
+            for server in self._servers:
+                with self._control(server) as http:
+                    reports += self._rpc(http, _COMPARE_METHOD, str(folder))
+        return reports
 
     def _control(self, server: ServerProcess) -> httpx.Client:
         """An HTTP client for a server's control routes (loopback + key, see `guard`)."""
@@ -329,16 +362,19 @@ class InferencePool:
         )
 
 
-def _set_version(http: httpx.Client, version: int) -> None:
-    """Stamp the server's weight version, then read it back: proof the server took it."""
-    _expect_ok(
-        http.post("/update_weight_version", json={"new_version": str(version)}),
-        "update_weight_version",
-    )
-    served = http.get("/weight_info")
-    _expect_ok(served, "weight_info")
-    if served.json().get("weight_version") != str(version):
-        raise ReloadError(f"server reports {served.json()}, expected version {version}")
+def _confirm_version(results: list[dict[str, Any]], version: int) -> None:
+    """Every worker of a server must report `version`: otherwise it does not serve it."""
+    reported = [result.get("version") for result in results]
+    if not reported or any(found != version for found in reported):
+        raise ReloadError(f"workers report versions {reported}, expected {version}")
+
+
+def _reset_kv_cache(http: httpx.Client) -> None:
+    """Drop the prefix cache and the KV of paused requests (they are preempted, recomputed)."""
+    response = http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+    _expect_ok(response, "reset_prefix_cache")
+    if response.json().get("success") is not True:
+        raise ReloadError(f"reset_prefix_cache did not succeed: {response.text[:200]}")
 
 
 def _expect_ok(response: httpx.Response, what: str) -> None:

@@ -1,7 +1,7 @@
 """vLLM worker extension: reload a checkpoint folder in place, safely, with tied heads re-packed.
 
 Loaded by every vLLM worker through `--worker-extension-cls`, and called over the server's
-`/collective_rpc` route. It exists for three reasons vLLM's own `reload_weights` does not cover:
+`/collective_rpc` route. It exists for four reasons vLLM's own `reload_weights` does not cover:
 
 1. **Validation before mutation.** vLLM moves each layer to the meta device before it reads the
    new tensors, so a checkpoint that is missing, truncated or shaped for another model would
@@ -14,6 +14,9 @@ Loaded by every vLLM worker through `--worker-extension-cls`, and called over th
    shared weight is re-packed after every reload.
 3. **No drift of the served model.** Weights are passed as an iterator rather than a path, so the
    worker's `model_config.model` keeps naming what the server was started with.
+4. **Proof of what is served, on every vLLM.** Each worker records the policy version it loaded
+   and reports it back (vLLM 0.26 has no `/update_weight_version` or `/weight_info` routes), and
+   `primeflow_compare` checks the served parameters against a checkpoint folder bit for bit.
 
 This module runs inside vLLM's worker processes: it may import vLLM, and nothing of primeflow's.
 """
@@ -128,13 +131,103 @@ def repack_tied_heads(model: torch.nn.Module) -> int:
     return repacked
 
 
+def checkpoint_names(served: str, packed: dict[str, list[str]]) -> list[str]:
+    """The checkpoint tensors a served parameter is made of, in the order vLLM stacks them.
+
+    vLLM fuses some projections into one parameter (`qkv_proj` = q, k and v stacked along the
+    output dimension; `gate_up_proj` = gate and up), as the model's `packed_modules_mapping`
+    says; every other parameter keeps its checkpoint name.
+    """
+    parts = served.split(".")
+    for index, part in enumerate(parts):
+        if part in packed:
+            return [".".join([*parts[:index], sub, *parts[index + 1 :]]) for sub in packed[part]]
+    return [served]
+
+
+def expected_served(
+    served: str, shape: tuple[int, ...], tensors: dict[str, torch.Tensor], packed: dict
+) -> torch.Tensor | None:
+    """What parameter `served` of `shape` must hold after loading `tensors`; None if not there.
+
+    Embedding-style parameters are padded by vLLM to a multiple of its vocabulary padding:
+    the expected tensor is compared on the checkpoint's rows only (the caller slices).
+    """
+    names = checkpoint_names(served, packed)
+    if not all(name in tensors for name in names):
+        return None
+    parts = [tensors[name] for name in names]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if whole.ndim != len(shape) or any(w > s for w, s in zip(whole.shape, shape, strict=True)):
+        raise ValueError(f"{served}: checkpoint shape {list(whole.shape)} vs served {list(shape)}")
+    return whole
+
+
+def compare_served(
+    params: Iterator[tuple[str, torch.Tensor]], tensors: dict[str, torch.Tensor], packed: dict
+) -> dict[str, object]:
+    """Compare each served parameter with the checkpoint, cast to the parameter's dtype.
+
+    Returns counts: `compared` (equal or not), `mismatched` (names, first 8) and `max_abs_diff`,
+    `packed_away` (parameters a backend replaced by a packed copy and emptied, e.g. vLLM's CPU
+    linear layers: not comparable here) and `absent` (served parameters with no checkpoint
+    tensor, e.g. a tied head under its embedding's name).
+    """
+    compared, packed_away, absent = 0, 0, 0
+    mismatched: list[str] = []
+    max_diff = 0.0
+    for name, param in params:
+        if param.numel() == 0:
+            packed_away += 1
+            continue
+        expected = expected_served(name, tuple(param.shape), tensors, packed)
+        if expected is None:
+            absent += 1
+            continue
+        rows = tuple(slice(0, size) for size in expected.shape)
+        served = param.detach()[rows]
+        expected = expected.to(device=served.device, dtype=served.dtype)
+        compared += 1
+        if not torch.equal(served, expected):
+            mismatched.append(name)
+            diff = (served.float() - expected.float()).abs().max().item()
+            max_diff = max(max_diff, diff)
+    return {
+        "compared": compared,
+        "mismatched": len(mismatched),
+        "mismatched_names": mismatched[:8],
+        "max_abs_diff": max_diff,
+        "packed_away": packed_away,
+        "absent": absent,
+    }
+
+
 class WeightReloadExtension:
     """Methods mixed into vLLM's worker class; `self` is the worker (`model_runner`, configs)."""
 
     _primeflow_reference: Signature | None = None
+    _primeflow_version: int = 0
 
-    def primeflow_reload(self, folder: str) -> dict[str, int]:
-        """Validate `folder` against the served weights, load it in place, re-pack tied heads."""
+    def primeflow_version(self) -> dict[str, int]:
+        """The policy version this worker serves (0 until the first reload)."""
+        return {"version": self._primeflow_version}
+
+    def primeflow_compare(self, folder: str) -> dict[str, object]:
+        """Compare the weights this worker serves with checkpoint `folder`, bit for bit."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            raise ValueError("the direct weight check needs one GPU per server (no TP or PP)")
+        tensors = dict(iterate_weights(Path(folder)))
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        report = compare_served(model.named_parameters(), tensors, packed)
+        return {**report, "version": self._primeflow_version}
+
+    def primeflow_reload(self, folder: str, version: str) -> dict[str, int]:
+        """Validate `folder` against the served weights, load it in place, re-pack tied heads.
+
+        `version` (a string: `/collective_rpc` passes strings only) is recorded as served.
+        """
         path = Path(folder)
         model_config = self.model_runner.model_config  # type: ignore[attr-defined]
         if self._primeflow_reference is None:
@@ -150,4 +243,5 @@ class WeightReloadExtension:
             weights_iterator=iterate_weights(path), is_checkpoint_format=True
         )
         repacked = repack_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return {"tensors": len(found), "repacked": repacked}
+        self._primeflow_version = int(version)
+        return {"tensors": len(found), "repacked": repacked, "version": self._primeflow_version}

@@ -3,7 +3,8 @@
 The served model ties its output layer to its input embedding, the case vLLM's CPU backend got
 wrong (the old packed output layer kept serving). Greedy ids must match transformers exactly and
 log-probs within 1e-4 (float32 on both sides). Prompts are longer than a KV-cache block, so a
-stale prefix cache would show up as wrong log-probs too.
+stale prefix cache would show up as wrong log-probs too; `compare_served` checks the served
+parameters themselves.
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ def assert_serves(pool: InferencePool, weights_folder, prompt: list[int], versio
     assert max(abs(a - b) for a, b in zip(sample.logprobs, expected, strict=True)) < 1e-4
 
 
-def weight_version(pool: InferencePool) -> str:
+def weight_version(pool: InferencePool) -> int:
+    """The version the server's worker says it serves (the reload extension's own record)."""
     headers = {"Authorization": f"Bearer {pool.api_key}"}
-    url = f"{pool.endpoints[0].base_url}/weight_info"
-    return httpx.get(url, headers=headers).json()["weight_version"]
+    url = f"{pool.endpoints[0].base_url}/collective_rpc"
+    body = {"method": "primeflow_version", "args": []}
+    (result,) = httpx.post(url, json=body, headers=headers, timeout=60).json()["results"]
+    return result["version"]
 
 
 def test_reload_serves_the_new_weights(base_pool: InferencePool, weights: Weights) -> None:
@@ -68,11 +72,41 @@ def test_reload_serves_the_new_weights(base_pool: InferencePool, weights: Weight
     assert_serves(base_pool, weights.base, prompt, version=0)
     # The version comes from the checkpoint folder's name, `step_000001`.
     assert base_pool.reload(weights.other) == 1
-    assert base_pool.policy_version == 1 and weight_version(base_pool) == "1"
+    assert base_pool.policy_version == 1 and weight_version(base_pool) == 1
     assert_serves(base_pool, weights.other, prompt, version=1)
     # And back: the base weights serve again, exactly.
     assert base_pool.reload(weights.base, version=0) == 0
     assert_serves(base_pool, weights.base, prompt, version=0)
+
+
+def test_reload_drops_the_prefix_cache(base_pool: InferencePool, weights: Weights) -> None:
+    """A prompt whose KV blocks were cached under the old weights is scored by the new ones.
+
+    vLLM reuses cached blocks by prompt prefix. The pool's pause clears nothing, so without the
+    reset after the load this request would attend to the base weights' KV for its prompt.
+    """
+    prompt = long_prompt(weights)
+    greedy_sample(base_pool, prompt)  # the prompt's blocks are cached under the base weights
+    greedy_sample(base_pool, prompt)
+    base_pool.reload(weights.other)
+    assert_serves(base_pool, weights.other, prompt, version=1)
+
+
+def test_served_weights_equal_the_checkpoint(base_pool: InferencePool, weights: Weights) -> None:
+    """The direct check: what the worker holds, compared bit for bit with a checkpoint.
+
+    On vLLM's CPU backend the linear layers keep only a packed copy (reported `packed_away`);
+    the embedding and the norms are compared.
+    """
+    (report,) = base_pool.compare_served(weights.base)
+    assert report["compared"] > 0 and report["mismatched"] == 0 and report["version"] == 0
+    base_pool.reload(weights.other)
+    (report,) = base_pool.compare_served(weights.other)
+    assert report["mismatched"] == 0 and report["version"] == 1
+    (stale,) = base_pool.compare_served(weights.base)
+    # The norms start at 1 in both models; the embedding differs.
+    assert 0 < stale["mismatched"] < stale["compared"]
+    assert stale["max_abs_diff"] > 0.1
 
 
 def test_reload_a_committed_checkpoint_by_uri(base_pool: InferencePool, weights: Weights) -> None:
@@ -107,7 +141,7 @@ def test_failed_reload_keeps_the_old_weights(
     folder = weights.base.parent / "nowhere" if which == "missing" else getattr(weights, which)
     with pytest.raises(ReloadError, match=says):
         base_pool.reload(folder, version=7)
-    assert base_pool.policy_version == 0 and weight_version(base_pool) == "0"
+    assert base_pool.policy_version == 0 and weight_version(base_pool) == 0
     assert_serves(base_pool, weights.base, long_prompt(weights), version=0)
 
 
@@ -116,7 +150,7 @@ def test_server_itself_refuses_a_bad_checkpoint(base_pool: InferencePool, weight
     url = f"{base_pool.endpoints[0].base_url}/collective_rpc"
     headers = {"Authorization": f"Bearer {base_pool.api_key}"}
     for folder in (weights.wrong_shape, weights.truncated):
-        body = {"method": "primeflow_reload", "args": [str(folder)]}
+        body = {"method": "primeflow_reload", "args": [str(folder), "7"]}
         response = httpx.post(url, json=body, headers=headers, timeout=60)
         assert response.status_code == 500
     assert_serves(base_pool, weights.base, long_prompt(weights), version=0)
@@ -135,7 +169,7 @@ def test_concurrent_reloads_take_turns(base_pool: InferencePool, weights: Weight
         )
     assert versions == [1, 2, 3, 4, 5, 6, 7, 8]
     final = base_pool.policy_version
-    assert weight_version(base_pool) == str(final)
+    assert weight_version(base_pool) == final
     served = weights.other if final % 2 else weights.base
     assert_serves(base_pool, served, long_prompt(weights), version=final)
 
@@ -171,3 +205,25 @@ def test_requests_in_flight_keep_the_oldest_version(
     assert {s.policy_version for group in before for s in group} == {0}
     assert all(len(s.completion_ids) == len(s.logprobs) > 0 for group in before for s in group)
     assert [s.policy_version for s in after] == [1]
+    # Each token is the policy's that served it: base before the swap, the new weights after.
+    switched = [switch_point(weights, s) for (s,) in before]
+    assert any(point < len(s.logprobs) for point, (s,) in zip(switched, before, strict=True))
+
+
+def switch_point(weights: Weights, sample: Sample, tol: float = 1e-3) -> int:
+    """Where a sample decoded across a reload went from the base to the new weights.
+
+    Every token before that position has the base weights' log-prob, every token from it on
+    the new weights' log-prob *given the whole context*: the frozen request's KV was recomputed
+    under the new weights. KV kept from the old weights would match neither after the switch.
+    """
+    base = token_logprobs(weights.base, sample.prompt_ids, sample.completion_ids)
+    new = token_logprobs(weights.other, sample.prompt_ids, sample.completion_ids)
+    on_base = [abs(lp - b) < tol for lp, b in zip(sample.logprobs, base, strict=True)]
+    on_new = [abs(lp - n) < tol for lp, n in zip(sample.logprobs, new, strict=True)]
+    point = next(
+        (i for i, (b, n) in enumerate(zip(on_base, on_new, strict=True)) if n and not b), len(base)
+    )
+    assert all(on_base[:point]), f"a token before position {point} is not the base policy's"
+    assert all(on_new[point:]), f"a token after the switch at {point} is not the new policy's"
+    return point

@@ -163,7 +163,9 @@ def test_control_routes_need_the_key(base_pool: InferencePool) -> None:
     url = base_pool.endpoints[0].base_url
     key = {"Authorization": f"Bearer {base_pool.api_key}"}
     assert httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}).status_code == 403
-    assert httpx.get(f"{url}/weight_info").status_code == 403
-    assert httpx.get(f"{url}/weight_info", headers=key).json() == {"weight_version": "0"}
+    assert httpx.post(f"{url}/reset_prefix_cache").status_code == 403
+    rpc = {"method": "primeflow_version", "args": []}
+    answer = httpx.post(f"{url}/collective_rpc", json=rpc, headers=key, timeout=60)
+    assert answer.json() == {"results": [{"version": 0}]}
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/v1/models").status_code == 401
