@@ -20,8 +20,9 @@ class ModelConfig(BaseConfig):
         Field(
             min_length=1,
             description=(
-                "Hugging Face hub id, local folder, or the built-in offline tiny model "
-                f"'{TINY_MODEL}'."
+                "Hugging Face hub id, local folder, or a built-in offline model: "
+                f"'{TINY_MODEL}' (the default), 'primeflow/qwen3-char-76m' (the GPU demo) or "
+                "'primeflow/qwen3-0.6b-body' (Qwen3-0.6B's shapes)."
             ),
         ),
     ] = TINY_MODEL

@@ -1,11 +1,11 @@
 """Turn a configured model name into what `transformers` and vLLM load.
 
-`primeflow/tiny-qwen3` is not on any hub: it names the offline tiny model, which is built into
-the local cache on first use. Every other name (a hub id or a local folder) is returned as it is
-and goes through the normal Hugging Face loading path — except a local folder that is missing
-or holds no `config.json`, which is refused here in one line naming the path: left to
-`transformers`, it surfaces as a hub-id validation error or a multi-paragraph OSError that
-never says which folder was wrong.
+`primeflow/tiny-qwen3` (and the other names in `BUILTIN_MODELS`) is not on any hub: it names an
+offline model of primeflow's own, which is built into the local cache on first use. Every other
+name (a hub id or a local folder) is returned as it is and goes through the normal Hugging Face
+loading path — except a local folder that is missing or holds no `config.json`, which is refused
+here in one line naming the path: left to `transformers`, it surfaces as a hub-id validation
+error or a multi-paragraph OSError that never says which folder was wrong.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.config.model import TINY_MODEL
-from engine.models.tiny import cached_tiny_model
+from engine.models.tiny import BUILTIN_MODELS, cached_tiny_model
 
 
 class ModelPathError(FileNotFoundError):
@@ -29,12 +28,12 @@ def looks_like_path(name: str) -> bool:
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:
-    """A local folder for the built-in tiny model; `name` unchanged otherwise.
+    """A local folder for a built-in offline model; `name` unchanged otherwise.
 
     Raises `ModelPathError` when `name` is a local path without a `config.json`.
     """
-    if name == TINY_MODEL:
-        return str(cached_tiny_model(cache_dir=cache_dir))
+    if name in BUILTIN_MODELS:
+        return str(cached_tiny_model(BUILTIN_MODELS[name], cache_dir=cache_dir))
     if looks_like_path(name):
         folder = Path(name).expanduser()
         if not (folder / "config.json").is_file():

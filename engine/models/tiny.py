@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from engine.config.model import TINY_MODEL
 from engine.models.char_tokenizer import (
     CHARACTERS,
     ENDOFTEXT,
@@ -116,6 +117,35 @@ def write_tiny_model(folder: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pat
     save_file(tiny_state_dict(spec), str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(folder, model_max_length=spec.max_position_embeddings)
     return folder
+
+
+#: The offline models primeflow builds itself, by the name a config gives as `model.name`. All
+#: share the character-level tokenizer; the larger two are for GPUs (bf16 weights).
+BUILTIN_MODELS: dict[str, TinyModelSpec] = {
+    # The CPU demo's and the tests' model (~0.44M parameters).
+    TINY_MODEL: TinyModelSpec(),
+    # ~76M parameters (12 x 768, GQA 12/4): the GPU demo, worth a GPU and learning in minutes.
+    "primeflow/qwen3-char-76m": TinyModelSpec(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=2048,
+        dtype="bfloat16",
+    ),
+    # Qwen3-0.6B's body (28 x 1024, GQA 16/8, head_dim 128; ~0.44B with the char vocabulary):
+    # the GPU tests and benchmarks run the real model's shapes without its hub weights.
+    "primeflow/qwen3-0.6b-body": TinyModelSpec(
+        hidden_size=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        dtype="bfloat16",
+    ),
+}
 
 
 def default_cache_dir() -> Path:

@@ -102,6 +102,8 @@ class Orchestrator:
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
+        # Seconds of the step being built spent reloading the pool and blocked on the policy.
+        self._timing = {"time/reload_s": 0.0, "time/policy_wait_s": 0.0}
         # Set by a supervising thread: without it a loop whose trainer died would keep sampling
         # (and later committing) beside the stage's retry, two writers of the same steps.
         self._stop = stop or threading.Event()
@@ -115,6 +117,7 @@ class Orchestrator:
         try:
             for step in range(first, self.config.max_steps + 1):
                 started = time.monotonic()
+                self._timing = dict.fromkeys(self._timing, 0.0)
                 batch = await self._collect(step)
                 await self._commit(step, batch, time.monotonic() - started)
         finally:
@@ -156,6 +159,7 @@ class Orchestrator:
                 blocked_since = blocked_since or time.monotonic()
                 self._check_wait(step, served, time.monotonic() - blocked_since)
                 await asyncio.sleep(self.config.poll_interval_s)
+                self._timing["time/policy_wait_s"] += self.config.poll_interval_s
                 continue
             blocked_since = None
             done, _ = await asyncio.wait(
@@ -219,6 +223,7 @@ class Orchestrator:
         if latest is None or latest <= self.server.policy_version:
             return
         uri = self.store.url(RunLayout.checkpoint_dir(latest))
+        started = time.monotonic()
         try:
             await asyncio.to_thread(self.server.reload, uri, latest)
         except Exception as exc:
@@ -227,6 +232,8 @@ class Orchestrator:
             if self._reload_failures >= MAX_RELOAD_FAILURES:
                 raise
             return
+        finally:
+            self._timing["time/reload_s"] += time.monotonic() - started
         self._reload_failures = 0
         logger.info("the pool serves policy version %d (%s)", latest, uri)
 
@@ -261,7 +268,10 @@ class Orchestrator:
         rows = [self._row(step, sample) for sample in batch.samples]
         meta = {"groups": sum(self.mix.counts), "served_version": served}
         await asyncio.to_thread(write_rollouts, self.store, step, rows, meta=meta)
-        metrics = step_metrics(batch, served_version=served, elapsed_s=elapsed_s)
+        metrics = {
+            **step_metrics(batch, served_version=served, elapsed_s=elapsed_s),
+            **self._timing,
+        }
         await asyncio.to_thread(write_metrics, self.store, METRICS_STAGE, step, metrics)
         self.metrics.append({"step": step, **metrics})
         logger.info(

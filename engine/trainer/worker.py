@@ -136,6 +136,18 @@ class Trainer:
             config=self.config.trainer.checkpoint,
         )
 
+    def finish_step(self, step: int, metrics: dict[str, Any], progress: dict[str, Any]) -> None:
+        """Commit the step's checkpoint when one is due, then log its metrics with its cost.
+
+        `checkpoint_seconds` is what the step stalled on writing it (the GPU benchmark's
+        "writing what inference needs"), so the line is written after the commit.
+        """
+        started = time.perf_counter()
+        if self.should_checkpoint(step):
+            self.checkpoint(step, progress)
+        metrics["checkpoint_seconds"] = time.perf_counter() - started
+        self.log_metrics(step, metrics)
+
     def should_checkpoint(self, step: int) -> bool:
         if self.stage == "sft":
             interval = self.config.sft.checkpoint_interval
@@ -245,9 +257,7 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
             wait_seconds=wait_seconds,
             policy_lag_max=max((step - 1 - v for v in versions), default=0),
         )
-        trainer.log_metrics(step, metrics)
-        if trainer.should_checkpoint(step):
-            trainer.checkpoint(step, {"rollout_step": step})
+        trainer.finish_step(step, metrics, {"rollout_step": step})
 
 
 def sft_max_steps(config: PrimeflowConfig, data: SftDataset) -> int:
@@ -282,9 +292,7 @@ def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -
         metrics["epoch"] = position / len(data.train)
         if data.eval and (step % sft.eval_interval == 0 or step == max_steps):
             metrics["eval_loss"] = evaluate(trainer, data.eval, sft.batch_size)["loss"]
-        trainer.log_metrics(step, metrics)
-        if trainer.should_checkpoint(step):
-            trainer.checkpoint(step, {"position": position})
+        trainer.finish_step(step, metrics, {"position": position})
 
 
 def evaluate(trainer: Trainer, samples: Sequence[Sample], batch_size: int) -> dict[str, float]:

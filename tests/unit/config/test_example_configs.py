@@ -29,6 +29,7 @@ COMBINATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("rl", ("debug/rl.toml",)),
     ("pipeline", ("qwen3_0_6b/reverse_text.toml",)),
     ("pipeline", ("qwen3_0_6b/reverse_text.toml", "qwen3_0_6b/one_gpu.toml")),
+    ("pipeline", ("reverse_text/gpu.toml",)),
 ]
 
 
@@ -67,7 +68,9 @@ def _prompt_len(tokenizer, text: str) -> int:
     return len(ids)
 
 
-@pytest.mark.parametrize("files", [("reverse_text/pipeline.toml",), ("debug/tiny.toml",)])
+@pytest.mark.parametrize(
+    "files", [("reverse_text/pipeline.toml",), ("debug/tiny.toml",), ("reverse_text/gpu.toml",)]
+)
 def test_reverse_text_samples_fit_the_context(files: tuple[str, ...], tiny_tokenizer) -> None:
     """No prompt + max_tokens and no SFT conversation is cut by seq_len (nothing truncated)."""
     config = load(*files)
@@ -104,6 +107,20 @@ def test_reverse_text_demo_measures_what_the_issue_asks() -> None:
     # One micro-batch per SFT step: the batch's rows fit micro_batch_tokens.
     assert config.trainer.micro_batch_tokens is not None
     assert config.trainer.micro_batch_tokens >= config.sft.batch_size * config.seq_len
+
+
+def test_gpu_demo_is_the_cpu_demo_on_one_gpu_with_a_bigger_offline_model() -> None:
+    config, cpu = load("reverse_text/gpu.toml"), load("reverse_text/pipeline.toml")
+    assert config.model.name == "primeflow/qwen3-char-76m"
+    assert config.inference.device == "cuda" and config.trainer.dtype == "bfloat16"
+    assert config.inference.gpu_ids == config.trainer.parallel.gpu_ids == [0]
+    assert config.trainer.cpu_cores is None and config.inference.cpu_cores == []
+    # The same task, batch, sampling and evaluation as the CPU demo: only the model is bigger.
+    same = {"exclude": {"model", "max_steps"}}
+    for section in ("orchestrator", "eval"):
+        gpu_side, cpu_side = getattr(config, section), getattr(cpu, section)
+        assert gpu_side.model_dump(**same) == cpu_side.model_dump(**same), section
+    assert config.seq_len == cpu.seq_len and config.sft.data == cpu.sft.data
 
 
 def test_tiny_debug_pipeline_stays_small() -> None:
