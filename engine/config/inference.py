@@ -93,6 +93,16 @@ class InferenceConfig(BaseConfig):
     request_retries: Annotated[
         int, Field(ge=0, description="Client: retries of a request after a transient error.")
     ] = 3
+    verify_reloads: Annotated[
+        bool,
+        Field(
+            description=(
+                "After each reload, compare every served parameter with the checkpoint bit for "
+                "bit (reads the checkpoint once more: for tests and audits); a mismatch stops "
+                "the run."
+            )
+        ),
+    ] = False
     extra_args: Annotated[
         list[str], Field(description="Passed as they are to vLLM's api_server.")
     ] = []

@@ -47,6 +47,11 @@ class ReloadError(RuntimeError):
     """A checkpoint could not be swapped in; the servers still serve the previous weights."""
 
 
+class ServedWeightsMismatchError(RuntimeError):
+    """A verified reload found served parameters that differ from the checkpoint: a bug, and
+    never retried (see `InferenceConfig.verify_reloads`)."""
+
+
 def _detect_device() -> str:
     import torch
 
@@ -81,6 +86,8 @@ class InferencePool:
         # One reload at a time (fetch included): interleaved ones could mix versions across
         # servers or race for the same cache folder.
         self._reload_lock = threading.Lock()
+        #: Parameters found bit-identical to their checkpoint by verified reloads, all servers.
+        self.verified_tensors = 0
         self._pipe_write: int | None = None
         self._pipe_read: int | None = None
 
@@ -288,6 +295,8 @@ class InferencePool:
         failed = [(s, error) for s, error in zip(self._servers, outcomes, strict=True) if error]
         if not failed:
             self._current_folder = folder
+            if self.config.verify_reloads:
+                self._verify(location, folder)
             return version
         for server, error in zip(self._servers, outcomes, strict=True):
             if error is None:
@@ -346,12 +355,25 @@ class InferencePool:
         `max_abs_diff`, `packed_away`, `version`. A check for tests and audits, not the hot path.
         """
         folder = local_checkpoint(os.fspath(checkpoint), self.cache_dir)
-        reports: list[dict[str, Any]] = []
         with self._reload_lock:
-            for server in self._servers:
-                with self._control(server) as http:
-                    reports += self._rpc(http, _COMPARE_METHOD, str(folder))
+            return self._compare(folder)
+
+    def _compare(self, folder: Path) -> list[dict[str, Any]]:
+        reports: list[dict[str, Any]] = []
+        for server in self._servers:
+            with self._control(server) as http:
+                reports += self._rpc(http, _COMPARE_METHOD, str(folder))
         return reports
+
+    def _verify(self, location: str, folder: Path) -> None:
+        """Raise `ServedWeightsMismatchError` unless every server serves `folder` exactly."""
+        reports = self._compare(folder)
+        bad = [r for r in reports if r["mismatched"] or not r["compared"]]
+        if bad:
+            raise ServedWeightsMismatchError(
+                f"after the reload of {location} a server serves other weights: {bad[0]}"
+            )
+        self.verified_tensors += sum(int(r["compared"]) for r in reports)
 
     def _control(self, server: ServerProcess) -> httpx.Client:
         """An HTTP client for a server's control routes (loopback + key, see `guard`)."""

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from engine.config.orchestrator import OrchestratorConfig
 from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task, TurnGenerator
+from engine.inference.pool import ServedWeightsMismatchError
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, StepBatch
@@ -54,6 +55,9 @@ class PolicyServer(Protocol):
 
     @property
     def policy_version(self) -> int: ...
+
+    #: Parameters verified bit-identical to their checkpoint so far (0 unless verifying).
+    verified_tensors: int
 
     def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int: ...
 
@@ -226,6 +230,8 @@ class Orchestrator:
         started = time.monotonic()
         try:
             await asyncio.to_thread(self.server.reload, uri, latest)
+        except ServedWeightsMismatchError:
+            raise
         except Exception as exc:
             self._reload_failures += 1
             logger.warning("reload of %s failed (%d): %s", uri, self._reload_failures, exc)
@@ -271,6 +277,7 @@ class Orchestrator:
         metrics = {
             **step_metrics(batch, served_version=served, elapsed_s=elapsed_s),
             **self._timing,
+            "policy/verified_tensors": self.server.verified_tensors,
         }
         await asyncio.to_thread(write_metrics, self.store, METRICS_STAGE, step, metrics)
         self.metrics.append({"step": step, **metrics})

@@ -109,6 +109,20 @@ def test_served_weights_equal_the_checkpoint(base_pool: InferencePool, weights: 
     assert stale["max_abs_diff"] > 0.1
 
 
+def test_a_verified_reload_counts_the_tensors_it_checked(
+    base_pool: InferencePool, weights: Weights
+) -> None:
+    config = base_pool.config
+    base_pool.config = config.model_copy(update={"verify_reloads": True})
+    try:
+        before = base_pool.verified_tensors
+        base_pool.reload(weights.other)
+        (report,) = base_pool.compare_served(weights.other)
+        assert base_pool.verified_tensors - before == report["compared"] > 0
+    finally:
+        base_pool.config = config
+
+
 def test_reload_a_committed_checkpoint_by_uri(base_pool: InferencePool, weights: Weights) -> None:
     """The trainer's contract: a step committed by `write_checkpoint`, named by its URI.
 
