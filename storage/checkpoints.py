@@ -80,12 +80,15 @@ def write_checkpoint(
     progress: Mapping[str, Any] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     meta: Mapping[str, Any] | None = None,
+    parent: str = RunLayout.CHECKPOINTS,
 ) -> CommitRecord:
     """Write checkpoint `step` below the run root `store` and commit it.
 
     `weights` is a full (unsharded) state dict, `config` the model's `config.to_dict()`,
     `files` extra files such as `tokenizer.json` or `generation_config.json`. The commit meta
     records `aliases`: tensors left out because they are tied to another (the output head).
+    `parent` is `checkpoints` (resume checkpoints) or `policies` (policy versions: weights
+    only, the same Hugging Face folder).
     """
     if "model_type" not in config:
         raise ValueError("config must be a Hugging Face config dict with 'model_type'")
@@ -96,7 +99,7 @@ def write_checkpoint(
     tensors, aliases = prepare_tensors(
         weights, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))
     )
-    step_dir = RunLayout.checkpoint_dir(step)
+    step_dir = join(parent, RunLayout.step_name(step))
     begin_step(store, step_dir)
     digests: dict[str, FileDigest] = {}
 
@@ -174,6 +177,7 @@ def fetch_checkpoint(
     local_dir: str | os.PathLike[str],
     *,
     trainer_state: bool = False,
+    parent: str = RunLayout.CHECKPOINTS,
 ) -> Path:
     """Download committed checkpoint `step` into `local_dir`, verified; returns the folder.
 
@@ -183,7 +187,7 @@ def fetch_checkpoint(
     state (`trainer/`) is fetched only when `trainer_state` is true; inference needs none.
     """
     folder = Path(local_dir).absolute()
-    step_dir = RunLayout.checkpoint_dir(step)
+    step_dir = join(parent, RunLayout.step_name(step))
     record = read_commit(store, step_dir)
     wanted = {
         name: digest
@@ -266,12 +270,12 @@ def apply_retention(
     keep_last: int | None,
     keep_every: int | None = None,
     protect: Iterable[int] = (),
+    parent: str = RunLayout.CHECKPOINTS,
 ) -> list[int]:
-    """Delete old committed checkpoints of the run root `store`; returns the deleted steps.
+    """Delete old committed checkpoints (or policy versions) of the run root `store`.
 
     Keeps the newest `keep_last`, every multiple of `keep_every` and the `protect`ed steps
-    (e.g. one an evaluation is reading). `keep_last=None` keeps everything.
+    (e.g. one an evaluation is reading). `keep_last=None` keeps everything. Returns the deleted
+    steps.
     """
-    return prune_steps(
-        store, RunLayout.CHECKPOINTS, keep_last=keep_last, keep_every=keep_every, protect=protect
-    )
+    return prune_steps(store, parent, keep_last=keep_last, keep_every=keep_every, protect=protect)

@@ -67,6 +67,7 @@ class RunLayout:
     LOGS = "logs"
     ROLLOUTS = "rollouts"
     CHECKPOINTS = "checkpoints"
+    POLICIES = "policies"
     EVAL = "eval"
 
     @staticmethod
@@ -93,6 +94,11 @@ class RunLayout:
     @classmethod
     def checkpoint_dir(cls, step: int) -> str:
         return f"{cls.CHECKPOINTS}/{cls.step_name(step)}"
+
+    @classmethod
+    def policy_dir(cls, step: int) -> str:
+        """Policy version `step`: the weights a server loads, published every RL step."""
+        return f"{cls.POLICIES}/{cls.step_name(step)}"
 
     @classmethod
     def eval_parent(cls, name: str) -> str:
