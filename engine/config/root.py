@@ -90,16 +90,3 @@ class PrimeflowConfig(BaseConfig):
                         "set only one of them"
                     )
         return self
-
-    @model_validator(mode="after")
-    def _checkpoints_keep_up_with_the_async_bound(self) -> PrimeflowConfig:
-        """Batch n waits for policy n-1-max_async_level, which the trainer must commit."""
-        interval = self.trainer.checkpoint.interval
-        level = self.orchestrator.max_async_level
-        if interval > level + 1:
-            raise ValueError(
-                f"trainer.checkpoint.interval = {interval} with orchestrator.max_async_level = "
-                f"{level}: batch n needs policy n-1-{level}, which the trainer only commits when "
-                "checkpoint.interval <= max_async_level + 1"
-            )
-        return self

@@ -96,11 +96,14 @@ LossConfig = Annotated[
 
 
 class CheckpointConfig(BaseConfig):
-    """When checkpoints are committed and how many are kept."""
+    """When resume checkpoints (weights, optimizer, scheduler, RNG) are committed, how many kept.
+
+    Inference never waits for these: RL publishes a policy version every step (`PolicyConfig`).
+    """
 
     interval: Annotated[
         int, Field(ge=1, description="Commit a checkpoint every N steps (and always at the end).")
-    ] = 1
+    ] = 10
     keep_last: Annotated[
         int | None, Field(ge=1, description="Keep the newest N checkpoints; None keeps all.")
     ] = 3
@@ -111,6 +114,19 @@ class CheckpointConfig(BaseConfig):
     max_shard_gb: Annotated[
         float, Field(gt=0, description="Split model weights into safetensors files of this size.")
     ] = 5.0
+
+
+class PolicyConfig(BaseConfig):
+    """Policy versions: the weights alone, in the serving dtype, published every RL step."""
+
+    keep_last: Annotated[
+        int | None,
+        Field(ge=1, description="Keep the newest N policy versions; None keeps all."),
+    ] = 3
+    keep_every: Annotated[
+        int | None,
+        Field(ge=1, description="Also keep every policy version whose step is a multiple of N."),
+    ] = None
 
 
 class ParallelConfig(BaseConfig):
@@ -198,6 +214,7 @@ class TrainerConfig(BaseConfig):
     scheduler: SchedulerConfig = ConstantSchedulerConfig()
     loss: LossConfig = AipoLossConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    policy: PolicyConfig = PolicyConfig()
     parallel: ParallelConfig = ParallelConfig()
     rollout_timeout_s: Annotated[
         float, Field(gt=0, description="How long to wait for the rollouts of a step.")

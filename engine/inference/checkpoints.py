@@ -31,17 +31,25 @@ def checkpoint_step(location: str) -> int | None:
     return RunLayout.parse_step(location.rstrip("/").rsplit("/", 1)[-1])
 
 
+#: Where servable folders live below a run root: resume checkpoints and policy versions.
+_PARENTS = (RunLayout.CHECKPOINTS, RunLayout.POLICIES)
+
+
 def _fetch(uri: str, cache_dir: Path) -> Path:
     """Download the committed checkpoint at `uri` into the cache (reused when already there)."""
-    root, _, step_name = uri.rstrip("/").rpartition(f"/{RunLayout.CHECKPOINTS}/")
-    step = RunLayout.parse_step(step_name)
-    if not root or step is None:
+    location = uri.rstrip("/")
+    for parent in _PARENTS:
+        root, _, step_name = location.rpartition(f"/{parent}/")
+        step = RunLayout.parse_step(step_name)
+        if root and step is not None:
+            break
+    else:
         raise CheckpointError(
-            f"remote checkpoint {uri} must be <run root>/{RunLayout.CHECKPOINTS}/step_NNNNNN"
+            f"remote checkpoint {uri} must be <run root>/{{{','.join(_PARENTS)}}}/step_NNNNNN"
         )
     target = cache_dir / "checkpoints" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     target.parent.mkdir(parents=True, exist_ok=True)
-    return fetch_checkpoint(ObjectStore(root), step, target)
+    return fetch_checkpoint(ObjectStore(root), step, target, parent=parent)
 
 
 def local_checkpoint(checkpoint: str | os.PathLike[str], cache_dir: Path) -> Path:

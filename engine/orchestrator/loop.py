@@ -5,8 +5,8 @@ rollouts in flight, so a step never waits for the slowest rollout of its batch â
 simply lands in a later batch (if it is still fresh enough). Each finished group is scored,
 given advantages and admitted to the step being built by `BatchBuilder`, which enforces the
 async bound and the filters. New rollouts start only while the policy the pool serves may go
-into that step; otherwise the loop waits for the trainer's next checkpoint, which it asks the
-pool to load as soon as it is committed.
+into that step; otherwise the loop waits for the trainer's next policy version, which it asks
+the pool to load as soon as it is committed.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class Orchestrator:
         needed = min_policy_version(step, self.config.max_async_level)
         raise TimeoutError(
             f"step {step} needs policy version {needed} but the pool serves {served} and no "
-            f"newer checkpoint was committed under {self.store.url(RunLayout.CHECKPOINTS)} in "
+            f"newer version was committed under {self.store.url(RunLayout.POLICIES)} in "
             f"{waited_s:.0f} s (orchestrator.policy_timeout_s); is the trainer running?"
         )
 
@@ -218,15 +218,21 @@ class Orchestrator:
     # -- policy -----------------------------------------------------------------------------
 
     async def _refresh_policy(self) -> None:
-        """Ask the pool to load the newest committed checkpoint if it serves an older one."""
+        """Ask the pool to load the newest committed policy version when it serves another.
+
+        Normally that is a newer one. After the trainer resumed from an older checkpoint, the
+        versions it had published past that checkpoint are gone (`engine.trainer.publish`) and
+        the newest is older than what the pool serves: the pool goes back to it, so it never
+        serves a policy of the dead lineage longer than one poll.
+        """
         now = time.monotonic()
         if now - self._last_poll < self.config.poll_interval_s:
             return
         self._last_poll = now
-        latest = await asyncio.to_thread(latest_committed_step, self.store, RunLayout.CHECKPOINTS)
-        if latest is None or latest <= self.server.policy_version:
+        latest = await asyncio.to_thread(latest_committed_step, self.store, RunLayout.POLICIES)
+        if latest is None or latest == self.server.policy_version:
             return
-        uri = self.store.url(RunLayout.checkpoint_dir(latest))
+        uri = self.store.url(RunLayout.policy_dir(latest))
         started = time.monotonic()
         try:
             await asyncio.to_thread(self.server.reload, uri, latest)

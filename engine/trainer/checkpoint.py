@@ -53,7 +53,7 @@ OPTIMIZER_PREFIX = "optimizer/"
 RNG_PREFIX = "rng/"
 
 
-def _tied_head_key(policy: PolicyModel) -> str | None:
+def tied_head_key(policy: PolicyModel) -> str | None:
     """The LM head's weight name when it is tied to the input embeddings (stored once)."""
     if getattr(policy.config, "tie_word_embeddings", False):
         return f"{policy.head_name}.weight"
@@ -115,7 +115,7 @@ def save_checkpoint(
     rng_states: list[dict[str, torch.Tensor] | None] = [None] * dist_info.world_size
     dist.all_gather_object(rng_states, _rng_state(dist_info.device))
     if dist_info.is_main:
-        tied = _tied_head_key(policy)
+        tied = tied_head_key(policy)
         if tied is not None:
             weights.pop(tied, None)
         trainer_tensors = _optimizer_tensors(optim_state["state"])
@@ -161,7 +161,7 @@ def load_checkpoint(
         folder = fetch_checkpoint(store, step, Path(tmp) / "ckpt", trainer_state=True)
         weights = load_checkpoint_weights(folder)
         state = load_trainer_state(folder)
-    tied = _tied_head_key(policy)
+    tied = tied_head_key(policy)
     if tied is not None:
         weights[tied] = weights[_embedding_key(policy)]
     progress = state.progress

@@ -1,8 +1,9 @@
 """The trainer loop, one process per rank under torchrun: `python -m engine.trainer.worker`.
 
 RL: for each step n (1-based; the base model is policy version 0) wait for the committed
-`rollouts/step_n`, pack and train on them, and commit `checkpoints/step_n` — the weights of
-policy version n — every `checkpoint.interval` steps and at the last step. SFT does the same on
+`rollouts/step_n`, pack and train on them, publish `policies/step_n` — the weights of policy
+version n, in the background (`engine.trainer.publish`) — and commit the resume checkpoint
+`checkpoints/step_n` every `checkpoint.interval` steps and at the last step. SFT does the same on
 its own data under `<run>/sft/`, so its steps never collide with RL's.
 
 Every rank reads the whole step and computes the same packing and rank assignment, so the
@@ -37,18 +38,25 @@ from engine.models.tiny import default_cache_dir
 from engine.placement import bind_to_cores
 from engine.run import run_store as open_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
-from engine.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.trainer.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    tied_head_key,
+)
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import LossFn, build_loss, sft_loss
 from engine.trainer.metrics import flops_per_token, measure_bf16_peak
 from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import PackedRows, Sample, pack_samples
+from engine.trainer.publish import PolicyPublisher
 from engine.trainer.rollouts import samples_from_rollouts, wait_for_rollouts
 from engine.trainer.schedule import build_scheduler
 from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
+from storage.commit import committed_steps
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
@@ -237,8 +245,21 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
         trainer_config.max_steps,
     )
     loss_fn = build_loss(trainer_config.loss)
-    vocab_size = trainer.ctx.policy.config.vocab_size
     first, _ = trainer.resume()
+    publisher = start_publishing(trainer, first - 1)
+    try:
+        train_rl_steps(trainer, publisher, first, loss_fn)
+        publisher.flush()
+    finally:
+        publisher.close()
+
+
+def train_rl_steps(
+    trainer: Trainer, publisher: PolicyPublisher, first: int, loss_fn: LossFn
+) -> None:
+    """Steps `first` .. max_steps: wait for the rollouts, train, publish, checkpoint when due."""
+    trainer_config = trainer.config.trainer
+    vocab_size = trainer.ctx.policy.config.vocab_size
     for step in range(first, trainer.max_steps + 1):
         wait_start = time.perf_counter()
         table = wait_for_rollouts(trainer.store, step, trainer_config.rollout_timeout_s)
@@ -251,6 +272,7 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
         )
         wait_seconds = time.perf_counter() - wait_start
         metrics = trainer.step(samples, loss_fn, trainer_config.optim)
+        metrics.update(publisher.publish(step))
         versions = table.column("policy_version").to_pylist()
         metrics.update(
             samples=len(samples),
@@ -258,6 +280,31 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
             policy_lag_max=max((step - 1 - v for v in versions), default=0),
         )
         trainer.finish_step(step, metrics, {"rollout_step": step})
+
+
+def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
+    """The run's publisher, its lineage starting at the policy the trainer resumed from.
+
+    Versions newer than the resume checkpoint (or than 0 on a fresh start) came from a trainer
+    that died before checkpointing them: they are deleted (their steps are trained again), and
+    version `resumed_at` itself is published when it is not there (version 0 is the starting
+    weights), so the pool can always go back to where this lineage begins.
+    """
+    publisher = PolicyPublisher(
+        trainer.store,
+        trainer.ctx.policy,
+        trainer.dist,
+        config=trainer.config.trainer.policy,
+        files=trainer.assets,
+        tied_head=tied_head_key(trainer.ctx.policy),
+        lineage=resumed_at,
+    )
+    forgotten = publisher.forget_after(resumed_at)
+    if forgotten:
+        log.info("deleted policy versions %s of the previous lineage", forgotten)
+    if resumed_at not in committed_steps(trainer.store, RunLayout.POLICIES):
+        publisher.publish(resumed_at)
+    return publisher
 
 
 def sft_max_steps(config: PrimeflowConfig, data: SftDataset) -> int:

@@ -3,7 +3,7 @@
 Both pools share GPU 0 (`configs/qwen3_0_6b/one_gpu.toml`) and serve and train Qwen3-0.6B's
 body built offline (`primeflow/qwen3-0.6b-body`: its 28 × 1024 shapes with the character
 vocabulary, random weights, no hub). Every reload is verified (`--inference.verify-reloads`): each
-server compares the parameters it serves with the committed checkpoint bit for bit, and a
+server compares the parameters it serves with the committed policy version bit for bit, and a
 mismatch fails the run. Skipped without a GPU or without vLLM.
 
 On the H200 with vLLM 0.26 (../shared/gpu-vllm): about 4 minutes, most of it vLLM's start.
@@ -84,13 +84,18 @@ def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> N
         assert min(versions) >= step - 2, (step, set(versions))  # max_async_level = 1
     assert latest_committed_step(store, RunLayout.CHECKPOINTS) == STEPS
     verify_step(store, RunLayout.checkpoint_dir(STEPS))
+    assert committed_steps(store, RunLayout.POLICIES)[-1] == STEPS
+    verify_step(store, RunLayout.policy_dir(STEPS))
 
     trainer = read_metrics(store, "rl")
     orchestrator = read_metrics(store, "orchestrator")
     assert [line["step"] for line in trainer] == list(range(1, STEPS + 1))
-    assert all(line["peak_memory_gib"] > 0 and line["checkpoint_seconds"] > 0 for line in trainer)
-    # The pool loaded at least the policies the async bound needed, and each was the
-    # checkpoint's exact bits on every served parameter (a mismatch would have failed the run).
+    assert all(
+        line["peak_memory_gib"] > 0 and "publish_snapshot_seconds" in line for line in trainer
+    )
+    assert trainer[-1]["checkpoint_seconds"] > 0  # the last step always commits a checkpoint
+    # The pool loaded at least the policies the async bound needed, and each was the policy
+    # version's exact bits on every served parameter (a mismatch would have failed the run).
     served = [line["policy/served_version"] for line in orchestrator]
     assert served[-1] >= STEPS - 2
     assert orchestrator[-1]["policy/verified_tensors"] > 0

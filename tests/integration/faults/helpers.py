@@ -67,12 +67,18 @@ def assert_every_step_committed_once(
 ) -> None:
     """Rollouts (and checkpoints) 1..max_steps are committed, verify against their markers, and
     nothing else (no debris of a killed writer) is left beside them; each checkpoint was
-    trained on its own rollout step. The orchestrator's metric lines are 1..max_steps, once."""
+    trained on its own rollout step; the newest policy version is the last step's and every
+    version left is committed. The orchestrator's metric lines are 1..max_steps, once."""
     steps = list(range(1, max_steps + 1))
     parents = (RunLayout.ROLLOUTS, RunLayout.CHECKPOINTS) if checkpoints else (RunLayout.ROLLOUTS,)
     for parent in parents:
         assert committed_steps(store, parent) == steps, parent
         assert sorted(store.list(parent)) == [RunLayout.step_name(s) for s in steps], parent
+    if checkpoints:
+        versions = committed_steps(store, RunLayout.POLICIES)
+        assert versions and versions[-1] == max_steps, versions
+        names = [RunLayout.step_name(s) for s in versions]
+        assert sorted(store.list(RunLayout.POLICIES)) == names
     orchestrator = read_metrics(store, "orchestrator")
     assert [line["step"] for line in orchestrator] == steps
     assert all(math.isfinite(line["reward/mean"]) for line in orchestrator)

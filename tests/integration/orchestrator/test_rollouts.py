@@ -141,8 +141,8 @@ def test_a_classic_env_from_a_test_module_runs_and_its_failures_are_skipped(
     assert sum(line["count/skipped/env_error"] for line in metrics) >= 4
 
 
-def _commit_checkpoint_after_rollouts(config: PrimeflowConfig, model: Path, step: int) -> None:
-    """Stand in for the trainer: once `rollouts/step` is committed, commit `checkpoints/step`."""
+def _publish_after_rollouts(config: PrimeflowConfig, model: Path, step: int) -> None:
+    """Stand in for the trainer: once `rollouts/step` is committed, publish `policies/step`."""
     store = run_store(config)
     wait_for_step(store, RunLayout.ROLLOUTS, step, timeout_s=120)
     files = {
@@ -155,16 +155,15 @@ def _commit_checkpoint_after_rollouts(config: PrimeflowConfig, model: Path, step
         weights=load_file(model / "model.safetensors"),
         config=json.loads((model / "config.json").read_text()),
         files=files,
+        parent=RunLayout.POLICIES,
     )
 
 
-def test_synchronous_bound_waits_for_and_loads_the_next_checkpoint(
+def test_synchronous_bound_waits_for_and_loads_the_next_policy_version(
     pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
 ) -> None:
     config = make_config(orchestrator={"max_async_level": 0})
-    trainer = threading.Thread(
-        target=_commit_checkpoint_after_rollouts, args=(config, tiny_model, 1)
-    )
+    trainer = threading.Thread(target=_publish_after_rollouts, args=(config, tiny_model, 1))
     trainer.start()
     assert run_orchestrator(config, pool) == 0
     trainer.join()

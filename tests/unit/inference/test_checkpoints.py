@@ -94,7 +94,9 @@ def test_remote_checkpoints_are_fetched_once_and_verified(
 
 
 def test_remote_checkpoints_must_follow_the_run_layout(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="must be <run root>/checkpoints/step_NNNNNN"):
+    with pytest.raises(
+        CheckpointError, match=r"must be <run root>/\{checkpoints,policies\}/step_NNNNNN"
+    ):
         local_checkpoint("s3://bucket/models/latest", tmp_path)
 
 

@@ -72,7 +72,6 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("range-gpu-memory", "[inference]\ngpu_memory_utilization = 1.5", [], r"{file}: inference\.gpu_memory_utilization: Input should be less than or equal to 1"),
     ("range-storage-retries", "[storage]\nretries = 100", [], r"{file}: storage\.retries: Input should be less than or equal to 20"),
     ("shared-field-conflict", "seq_len = 64\n[trainer]\nseq_len = 128", [], r"{file}: trainer\.seq_len = 128 conflicts with the shared seq_len = 64; set only one of them"),
-    ("checkpoint-interval-vs-async", "[trainer.checkpoint]\ninterval = 5\n[orchestrator]\nmax_async_level = 1", [], r"{file}: trainer\.checkpoint\.interval = 5 with orchestrator\.max_async_level = 1: .*checkpoint\.interval <= max_async_level \+ 1"),
     ("run-name-dotdot", '[run]\nname = "a..b"', [], r"{file}: run\.name: run name 'a\.\.b' must not contain '\.\.'"),
     ("run-name-parent", '[run]\nname = "../escape"', [], r"{file}: run\.name: run name '\.\./escape' must not contain '/'"),
     ("run-name-slash", '[run]\nname = "a/b"', [], r"{file}: run\.name: run name 'a/b' must not contain '/'"),

@@ -1,0 +1,126 @@
+"""Policy versions: every RL step, in the serving dtype, apart from resume checkpoints; a resumed
+trainer's lineage replaces what its dead predecessor published past its checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from engine.models import write_tiny_model
+from engine.run import run_store as open_run_store
+from engine.trainer.worker import run_stage
+from storage.checkpoints import fetch_checkpoint
+from storage.commit import committed_steps, read_commit
+from storage.layout import RunLayout
+from storage.metrics import read_metrics
+from tests.integration.trainer.conftest import SPEC, make_config, write_steps
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' tiny model with a bf16 config: servers load it in bf16, trainers in fp32."""
+    spec = dataclasses.replace(SPEC, dtype="bfloat16")
+    return write_tiny_model(tmp_path_factory.mktemp("bf16-model"), spec)
+
+
+def stored(config, step: int, parent: str) -> dict[str, torch.Tensor]:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = fetch_checkpoint(open_run_store(config), step, Path(tmp) / "f", parent=parent)
+        return load_file(str(folder / "model.safetensors"))
+
+
+def test_every_step_publishes_the_weights_in_the_serving_dtype(
+    tmp_path: Path, bf16_model_dir: Path
+) -> None:
+    config = make_config(
+        tmp_path,
+        bf16_model_dir,
+        "publish",
+        max_steps=4,
+        trainer={"checkpoint": {"interval": 3, "keep_last": None}, "policy": {"keep_last": 3}},
+    )
+    write_steps(config, range(1, 5))
+    run_stage(config, "rl")
+    store = open_run_store(config)
+    # Resume checkpoints on their own cadence (every 3 and the last); versions every step, the
+    # newest three kept (version 0, the starting weights, was published first and pruned).
+    assert committed_steps(store, RunLayout.CHECKPOINTS) == [3, 4]
+    assert committed_steps(store, RunLayout.POLICIES) == [2, 3, 4]
+    for step in (3, 4):
+        masters, policy = stored(config, step, "checkpoints"), stored(config, step, "policies")
+        assert policy.keys() == masters.keys()
+        for name, tensor in policy.items():
+            assert tensor.dtype == torch.bfloat16 and masters[name].dtype == torch.float32
+            assert torch.equal(tensor, masters[name].to(torch.bfloat16)), name
+    record = read_commit(store, RunLayout.policy_dir(4))
+    assert record.meta["dtype"] == "bfloat16" and record.meta["lineage"] == 0
+    assert not any(name.startswith("trainer/") for name in record.files)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = fetch_checkpoint(store, 4, Path(tmp) / "p", parent=RunLayout.POLICIES)
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+        assert (folder / "tokenizer.json").is_file()
+    assert model.dtype == torch.bfloat16
+    lines = read_metrics(store, "rl")
+    assert all(line["publish_wait_seconds"] >= 0 for line in lines)
+    assert all(line["publish_snapshot_seconds"] > 0 for line in lines)
+
+
+def test_a_resumed_trainer_replaces_the_versions_past_its_checkpoint(
+    tmp_path: Path, bf16_model_dir: Path
+) -> None:
+    trainer = {"checkpoint": {"interval": 2, "keep_last": None}, "policy": {"keep_last": None}}
+    straight = make_config(tmp_path, bf16_model_dir, "straight", max_steps=4, trainer=trainer)
+    write_steps(straight, range(1, 5))
+    run_stage(straight, "rl")
+
+    # The same run, dying after step 3: its checkpoint is step 2, its newest version step 3.
+    dying = {**trainer, "rollout_timeout_s": 0.5}
+    broken = make_config(tmp_path, bf16_model_dir, "resumed", max_steps=4, trainer=dying)
+    write_steps(broken, range(1, 4))
+    with pytest.raises(TimeoutError):
+        run_stage(broken, "rl")
+    store = open_run_store(broken)
+    assert committed_steps(store, RunLayout.POLICIES) == [0, 1, 2, 3]
+    assert read_commit(store, RunLayout.policy_dir(3)).meta["lineage"] == 0
+
+    write_steps(broken, range(4, 5))
+    resumed = make_config(tmp_path, bf16_model_dir, "resumed", max_steps=4, trainer=trainer)
+    run_stage(resumed, "rl")
+    assert committed_steps(store, RunLayout.POLICIES) == [0, 1, 2, 3, 4]
+    # Version 3 was written again by the resumed lineage (from checkpoint 2), and every step was
+    # trained once in the final lineage: the versions equal the uninterrupted run's, bit for bit.
+    assert read_commit(store, RunLayout.policy_dir(3)).meta["lineage"] == 2
+    assert read_commit(store, RunLayout.policy_dir(2)).meta["lineage"] == 0
+    for step in (3, 4):
+        want, have = stored(straight, step, "policies"), stored(resumed, step, "policies")
+        for name in want:
+            assert torch.equal(have[name], want[name]), (step, name)
+
+
+def test_a_failed_background_write_fails_the_stage_and_the_rerun_completes(
+    tmp_path: Path, bf16_model_dir: Path
+) -> None:
+    """Storage refusing the versions (here `policies` is a file, so no folder can be made
+    under it): the error surfaces on the trainer's thread at the next publication, no version
+    is committed, and once storage is back the same run completes every step once."""
+    trainer = {"checkpoint": {"interval": 1, "keep_last": None}}
+    config = make_config(tmp_path, bf16_model_dir, "refused", max_steps=2, trainer=trainer)
+    write_steps(config, range(1, 3))
+    store = open_run_store(config)
+    blocker = Path(store.url(RunLayout.POLICIES).removeprefix("file://"))
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a folder")
+    with pytest.raises(RuntimeError, match="publishing a policy version failed"):
+        run_stage(config, "rl")
+    assert committed_steps(store, RunLayout.CHECKPOINTS) == []
+    blocker.unlink()
+    run_stage(config, "rl")
+    assert committed_steps(store, RunLayout.POLICIES) == [0, 1, 2]
+    assert committed_steps(store, RunLayout.CHECKPOINTS) == [1, 2]
+    assert [line["step"] for line in read_metrics(store, "rl")] == [1, 2]
