@@ -63,6 +63,23 @@ def train_sft(config: PrimeflowConfig) -> str:
     return store.url(f"checkpoints/step_{step:06d}")
 
 
+def run_rl(config: PrimeflowConfig, pool: InferencePool | None, log_name: str) -> float:
+    """The RL stage by hand: the trainer pool, and the orchestrator on `pool` (None: the trainer
+    alone, on rollouts already committed). Returns the time it started."""
+    trainer = TrainerPool(config, "rl", log_path=local_run_dir(config) / "logs" / f"{log_name}.log")
+    started = time.time()
+    trainer.start()
+    try:
+        if pool is not None:
+            run_orchestrator(config, pool)
+        code = trainer.wait()
+    finally:
+        trainer.stop()
+    if code != 0:
+        raise RuntimeError(f"RL trainer failed ({code}); see {trainer.log_path}")
+    return started
+
+
 @dataclass
 class Variant:
     max_async_level: int
@@ -99,18 +116,7 @@ def run_variant(
         },
     )
     pool.reload(sft_checkpoint, version=0)
-    trainer = TrainerPool(
-        config, "rl", log_path=local_run_dir(config) / "logs" / f"trainer-async{level}.log"
-    )
-    start = time.time()
-    trainer.start()
-    try:
-        run_orchestrator(config, pool)
-        code = trainer.wait()
-    finally:
-        trainer.stop()
-    if code != 0:
-        raise RuntimeError(f"RL trainer failed ({code}); see {trainer.log_path}")
+    start = run_rl(config, pool, f"trainer-async{level}")
     store = run_store(config)
     lines = read_metrics(store, "rl")
     rewards = [line["reward/mean"] for line in read_metrics(store, "orchestrator")]

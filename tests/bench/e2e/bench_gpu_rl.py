@@ -45,12 +45,10 @@ from engine.envs.reverse_text import prompt_messages, sft_examples
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
 from engine.models.resolve import resolve_model
-from engine.orchestrator.main import run_orchestrator
 from engine.run import local_run_dir, run_store
-from engine.trainer.pool import TrainerPool
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
-from tests.bench.e2e.bench_async import emit
+from tests.bench.e2e.bench_async import emit, run_rl
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = [ROOT / "configs/qwen3_0_6b/reverse_text.toml", ROOT / "configs/qwen3_0_6b/one_gpu.toml"]
@@ -98,29 +96,9 @@ def sampling_alone(config: PrimeflowConfig, pool: InferencePool, repeats: int) -
     return {"batch_s": seconds, "batch_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
-def run_trainer(config: PrimeflowConfig, name: str) -> None:
-    trainer = TrainerPool(config, "rl", log_path=local_run_dir(config) / "logs" / f"{name}.log")
-    trainer.start()
-    try:
-        code = trainer.wait()
-    finally:
-        trainer.stop()
-    if code != 0:
-        raise RuntimeError(f"trainer {name} failed ({code}); see {trainer.log_path}")
-
-
 def the_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
     """Run the RL steps; per step, the trainer's and the orchestrator's timings."""
-    trainer = TrainerPool(config, "rl", log_path=local_run_dir(config) / "logs" / "trainer.log")
-    started = time.time()
-    trainer.start()
-    try:
-        run_orchestrator(config, pool)
-        code = trainer.wait()
-    finally:
-        trainer.stop()
-    if code != 0:
-        raise RuntimeError(f"RL trainer failed ({code}); see {trainer.log_path}")
+    started = run_rl(config, pool, "trainer")
     store = run_store(config)
     train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
     steps = [
@@ -156,7 +134,7 @@ def training_alone(config: PrimeflowConfig, workdir: Path) -> dict[str, Any]:
     shutil.copytree(
         local_run_dir(config) / RunLayout.ROLLOUTS, local_run_dir(alone) / RunLayout.ROLLOUTS
     )
-    run_trainer(alone, "trainer-alone")
+    run_rl(alone, None, "trainer-alone")
     lines = read_metrics(run_store(alone), "rl")[WARMUP_STEPS:-1]
     return {
         "train_s": statistics.median(line["step_seconds"] for line in lines),
