@@ -8,9 +8,10 @@ reverse-text task, a built-in offline model (default: Qwen3-0.6B's body). Three 
    the GPU; the median of `--repeats` batches is the sampling time alone, and the generated
    tokens over it vLLM's raw rate.
 2. **The loop:** the trainer pool and the orchestrator run `--steps` async RL steps. Per step the
-   metrics say how long the trainer waited for rollouts, trained, and stalled committing the
-   checkpoint inference loads, and how long the orchestrator spent reloading the pool and
-   blocked on the policy.
+   metrics say how long the trainer waited for rollouts, trained, stalled publishing the policy
+   version (waiting for the previous one + the snapshot) and committing a resume checkpoint
+   (steps where one is due), and how long the orchestrator spent reloading the pool and blocked
+   on the policy.
 3. **Training alone:** a second trainer trains on the loop's committed rollouts (all there
    before it starts, vLLM idle) with no checkpoint but the last: its median step time is the
    training time alone, and its tokens per second the trainer's standalone rate.
@@ -52,6 +53,11 @@ from tests.bench.e2e.bench_async import emit, run_rl
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = [ROOT / "configs/qwen3_0_6b/reverse_text.toml", ROOT / "configs/qwen3_0_6b/one_gpu.toml"]
+#: Per-step seconds in the table, the interval first, then the parts the breakdown reports.
+STEP_TIMES = (
+    "interval_s", "train_s", "publish_s", "checkpoint_s", "trainer_wait_s", "reload_s",
+    "policy_wait_s",
+)  # fmt: skip
 #: Steps that pay start-up (the first reloads, compile, allocator growth), left out of medians.
 WARMUP_STEPS = 2
 
@@ -108,6 +114,7 @@ def the_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
             "trainer_wait_s": t["wait_seconds"],
             "train_s": t["step_seconds"],
             "checkpoint_s": t["checkpoint_seconds"],
+            "publish_s": t["publish_wait_seconds"] + t["publish_snapshot_seconds"],
             "reload_s": o["time/reload_s"],
             "policy_wait_s": o["time/policy_wait_s"],
             "sample_step_s": o["time/step_s"],
@@ -156,10 +163,7 @@ def summarise(loop: dict, sampling: dict, training: dict) -> dict[str, Any]:
         "train_alone_s": training["train_s"],
         "sample_alone_s": sampling["batch_s"],
         "interval_over_parts": interval / parts,
-        "breakdown_median_s": {
-            key: median(key)
-            for key in ("train_s", "checkpoint_s", "trainer_wait_s", "reload_s", "policy_wait_s")
-        },
+        "breakdown_median_s": {key: median(key) for key in STEP_TIMES[1:]},
         "loop_sampled_tokens_per_s": sum(s["sampled_tokens"] for s in steady) / seconds,
         "vllm_alone_tokens_per_s": sampling["tokens_per_s"],
         "loop_trained_tokens_per_s": sum(s["trained_tokens"] for s in steady) / seconds,
@@ -169,7 +173,7 @@ def summarise(loop: dict, sampling: dict, training: dict) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     """The per-step table and the summary as Markdown, for docs/benchmarks.md."""
-    keys = ["interval_s", "train_s", "checkpoint_s", "trainer_wait_s", "reload_s", "policy_wait_s"]
+    keys = list(STEP_TIMES)
     rows = ["| step | " + " | ".join(keys) + " | sampled tokens |", "|---" * (len(keys) + 2) + "|"]
     for step in result["loop"]["steps"]:
         cells = " | ".join(f"{step[key]:.2f}" for key in keys)
