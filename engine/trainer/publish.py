@@ -122,9 +122,7 @@ class PolicyPublisher:
 
     def flush(self) -> None:
         """Wait for the publication in flight; raise its error, if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.close()
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"publishing a policy version failed: {error}") from error
