@@ -270,12 +270,14 @@ def apply_retention(
     keep_last: int | None,
     keep_every: int | None = None,
     protect: Iterable[int] = (),
-    parent: str = RunLayout.CHECKPOINTS,
 ) -> list[int]:
-    """Delete old committed checkpoints (or policy versions) of the run root `store`.
+    """Delete old committed resume checkpoints of the run root `store` (policy versions:
+    `storage.policies.prune_policies`, which keeps their chains).
 
     Keeps the newest `keep_last`, every multiple of `keep_every` and the `protect`ed steps
     (e.g. one an evaluation is reading). `keep_last=None` keeps everything. Returns the deleted
     steps.
     """
-    return prune_steps(store, parent, keep_last=keep_last, keep_every=keep_every, protect=protect)
+    return prune_steps(
+        store, RunLayout.CHECKPOINTS, keep_last=keep_last, keep_every=keep_every, protect=protect
+    )

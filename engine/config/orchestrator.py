@@ -121,8 +121,13 @@ class OrchestratorConfig(BaseConfig):
     ] = 8
     max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
     poll_interval_s: Annotated[
-        float, Field(gt=0, description="How often to look for a newer committed checkpoint.")
-    ] = 0.5
+        float,
+        Field(
+            gt=0,
+            description="How often to look for a newer policy version; the pool loads one up "
+            "to this much after the trainer committed it.",
+        ),
+    ] = 0.05
     policy_timeout_s: Annotated[
         float,
         Field(gt=0, description="Longest wait for the checkpoint a step needs before failing."),

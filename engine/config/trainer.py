@@ -127,6 +127,15 @@ class PolicyConfig(BaseConfig):
         int | None,
         Field(ge=1, description="Also keep every policy version whose step is a multiple of N."),
     ] = None
+    full_every: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="A full version every N versions; the others are exact deltas against "
+            "the version before (a reader needs one full version plus at most N-1 deltas). "
+            "1 writes every version full.",
+        ),
+    ] = 10
 
 
 class ParallelConfig(BaseConfig):
@@ -219,6 +228,14 @@ class TrainerConfig(BaseConfig):
     rollout_timeout_s: Annotated[
         float, Field(gt=0, description="How long to wait for the rollouts of a step.")
     ] = 3600.0
+    poll_interval_s: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="How often to look for the next step's rollouts; the trainer starts "
+            "a step up to this much after the orchestrator committed it.",
+        ),
+    ] = 0.05
 
     @field_validator("cpu_cores")
     @classmethod

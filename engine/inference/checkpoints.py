@@ -18,7 +18,9 @@ from engine.inference.reload_ext import read_signature, signature_mismatch
 from storage.backends import split_uri
 from storage.checkpoints import fetch_checkpoint
 from storage.commit import MARKER
+from storage.errors import NotCommittedError
 from storage.layout import RunLayout
+from storage.policies import chain
 from storage.store import ObjectStore
 
 
@@ -35,19 +37,50 @@ def checkpoint_step(location: str) -> int | None:
 _PARENTS = (RunLayout.CHECKPOINTS, RunLayout.POLICIES)
 
 
-def _fetch(uri: str, cache_dir: Path) -> Path:
-    """Download the committed checkpoint at `uri` into the cache (reused when already there)."""
-    location = uri.rstrip("/")
+def _split(location: str) -> tuple[str, str, int] | None:
+    """(run root, parent, step) of `<run root>/<parent>/step_NNNNNN`, or None."""
     for parent in _PARENTS:
-        root, _, step_name = location.rpartition(f"/{parent}/")
+        root, _, step_name = location.rstrip("/").rpartition(f"/{parent}/")
         step = RunLayout.parse_step(step_name)
         if root and step is not None:
-            break
-    else:
+            return root, parent, step
+    return None
+
+
+def version_chain(location: str, held_uid: str | None) -> list[str]:
+    """The locations to load, in order, to serve `location`, holding version `held_uid`.
+
+    A policy version's chain (`storage.policies.chain`): a full version and the deltas after
+    it, or only the deltas after the held one (empty when `location` is the held version).
+    Anything else (a resume checkpoint, a bare model folder) is loaded on its own.
+    """
+    split = _split(location)
+    if split is None or split[1] != RunLayout.POLICIES:
+        return [location]
+    root = split[0]
+    try:
+        versions = chain(ObjectStore(root), split[2], held_uid=held_uid)
+    except NotCommittedError as exc:
+        raise CheckpointError(f"policy version {location} is not committed") from exc
+    except ValueError as exc:
+        raise CheckpointError(f"cannot rebuild {location}: {exc}") from exc
+    return [f"{root}/{RunLayout.policy_dir(version.step)}" for version in versions]
+
+
+def fetched_dir(cache_dir: Path) -> Path:
+    """Where remote checkpoints are fetched to, one folder per URI."""
+    return cache_dir / "checkpoints"
+
+
+def _fetch(uri: str, cache_dir: Path) -> Path:
+    """Download the committed checkpoint at `uri` into the cache (reused when already there)."""
+    split = _split(uri)
+    if split is None:
         raise CheckpointError(
             f"remote checkpoint {uri} must be <run root>/{{{','.join(_PARENTS)}}}/step_NNNNNN"
         )
-    target = cache_dir / "checkpoints" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    root, parent, step = split
+    target = fetched_dir(cache_dir) / hashlib.sha256(uri.encode()).hexdigest()[:16]
     target.parent.mkdir(parents=True, exist_ok=True)
     return fetch_checkpoint(ObjectStore(root), step, target, parent=parent)
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,10 +25,16 @@ from typing import Any
 import httpx
 
 from engine.config.inference import InferenceConfig
-from engine.inference.checkpoints import check_compatible, checkpoint_step, local_checkpoint
+from engine.inference.checkpoints import (
+    check_compatible,
+    checkpoint_step,
+    fetched_dir,
+    local_checkpoint,
+    version_chain,
+)
 from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
-from engine.inference.reload_ext import served_model_folder
+from engine.inference.reload_ext import commit_meta, is_delta, served_model_folder
 from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
 from engine.models.resolve import ModelPathError, looks_like_path, resolve_model
 from engine.models.tiny import default_cache_dir
@@ -82,7 +89,11 @@ class InferencePool:
         self._servers: list[ServerProcess] = []
         self._model_path: str | None = None
         self._served_folder: Path | None = None
-        self._current_folder: Path | None = None
+        #: The folders the servers' weights were loaded from: a full version and the deltas
+        #: after it (empty: the model they started with), and the uid of the version their
+        #: workers hold a host copy of, to apply the next delta to (None: send a full one).
+        self._current_chain: list[Path] = []
+        self._held_uid: str | None = None
         # One reload at a time (fetch included): interleaved ones could mix versions across
         # servers or race for the same cache folder.
         self._reload_lock = threading.Lock()
@@ -162,6 +173,7 @@ class InferencePool:
         if servers:
             self._write_record("stopped", servers)
         self.endpoints = []
+        self._current_chain, self._held_uid = [], None
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -262,10 +274,12 @@ class InferencePool:
     def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
         """Swap `checkpoint` into every server and return the policy version now served.
 
-        `version` defaults to the step in the checkpoint's `step_NNNNNN` name. The checkpoint is
-        checked against the served model before any server is touched; if a server still fails,
-        the servers that had switched are switched back, so the pool never serves a mix. Raises
-        `ReloadError` with the servers on their previous weights.
+        `checkpoint` is a resume checkpoint, a model folder or a policy version (full, or a
+        delta: the servers are sent the deltas after the version they hold, or the chain from
+        its full version). `version` defaults to the step in the `step_NNNNNN` name. Full
+        folders are checked against the served model before any server is touched; if a
+        server still fails, the servers that had switched are switched back, so the pool never
+        serves a mix. Raises `ReloadError` with the servers on their previous weights.
         """
         if not self._servers:
             raise ReloadError("the pool is not running")
@@ -276,45 +290,76 @@ class InferencePool:
                 raise ReloadError(f"no version given and none in the name of {location}")
         with self._reload_lock:
             try:
-                folder = local_checkpoint(location, self.cache_dir)
-                check_compatible(self._served(), folder)
+                folders = self._local_chain(location, self._held_uid)
             except (OSError, ValueError) as exc:
                 raise ReloadError(f"cannot reload {location}: {exc}") from exc
-            return self._reload_all(location, folder, version)
+            if not folders:  # the servers hold this very version already
+                return version
+            return self._reload_all(location, folders, version)
 
-    def _reload_all(self, location: str, folder: Path, version: int) -> int:
-        """Swap `folder` into every server; on any failure put the switched ones back."""
+    def _local_chain(self, location: str, held_uid: str | None) -> list[Path]:
+        """Local folders of `location`'s chain, full ones checked against the served model."""
+        folders = [
+            local_checkpoint(entry, self.cache_dir) for entry in version_chain(location, held_uid)
+        ]
+        for folder in folders:
+            if not is_delta(commit_meta(folder)):
+                check_compatible(self._served(), folder)
+        return folders
+
+    def _reload_all(self, location: str, folders: list[Path], version: int) -> int:
+        """Load `folders` into every server; on any failure put the switched ones back."""
         previous_version = self.policy_version
-        previous_folder = self._current_folder or self._served()
+        previous_chain = self._current_chain or [self._served()]
+        self._held_uid = None  # until every server reports the version it holds
         with ThreadPoolExecutor(max_workers=len(self._servers)) as executor:
             outcomes = list(
                 executor.map(
-                    lambda server: self._try_reload(server, folder, version), self._servers
+                    lambda server: self._try_reload(server, folders, version), self._servers
                 )
             )
-        failed = [(s, error) for s, error in zip(self._servers, outcomes, strict=True) if error]
+        failed = [
+            (s, error) for s, (error, _) in zip(self._servers, outcomes, strict=True) if error
+        ]
         if not failed:
-            self._current_folder = folder
+            starts_full = not is_delta(commit_meta(folders[0]))
+            chain = folders if starts_full else [*self._current_chain, *folders]
+            self._forget_fetched(set(self._current_chain) - set(chain))
+            self._current_chain = chain
+            held = {holds for _, holds in outcomes}
+            self._held_uid = held.pop() if len(held) == 1 else None
             if self.config.verify_reloads:
-                self._verify(location, folder)
+                self._verify(location, self._current_chain)
             return version
-        for server, error in zip(self._servers, outcomes, strict=True):
+        for server, (error, _) in zip(self._servers, outcomes, strict=True):
             if error is None:
-                self._reload_server(server, previous_folder, previous_version)
+                self._reload_server(server, previous_chain, previous_version)
         server, error = failed[0]
         raise ReloadError(
             f"reload of {location} failed on server {server.spec.index}: {error}; "
             f"all servers still serve policy version {previous_version}"
         )
 
-    def _try_reload(self, server: ServerProcess, folder: Path, version: int) -> str | None:
-        try:
-            self._reload_server(server, folder, version)
-        except (httpx.HTTPError, ReloadError) as exc:
-            return str(exc)
-        return None
+    def _forget_fetched(self, folders: set[Path]) -> None:
+        """Delete the fetched copies (not in-place `file://` folders) no server needs any more,
+        so a long run on remote storage does not fill the cache with every version it loaded."""
+        fetched = fetched_dir(self.cache_dir).resolve()
+        for folder in folders:
+            if folder.resolve().parent == fetched:
+                shutil.rmtree(folder, ignore_errors=True)
 
-    def _reload_server(self, server: ServerProcess, folder: Path, version: int) -> None:
+    def _try_reload(
+        self, server: ServerProcess, folders: list[Path], version: int
+    ) -> tuple[str | None, str | None]:
+        """(error, None), or (None, the uid of the version its workers hold for deltas)."""
+        try:
+            return None, self._reload_server(server, folders, version)
+        except (httpx.HTTPError, ReloadError) as exc:
+            return str(exc), None
+
+    def _reload_server(
+        self, server: ServerProcess, folders: list[Path], version: int
+    ) -> str | None:
         """Pause (in-flight requests freeze), load, drop every cached KV block, resume.
 
         Each worker reports the version it loaded: that is the proof the server took it, on
@@ -323,20 +368,23 @@ class InferencePool:
         their context under the new weights when generation resumes, and no sample ever mixes
         KV of two policies (its sampled tokens keep the oldest policy version, as recorded).
         The pause itself clears nothing (`clear_cache=false`): vLLM releases differ there, and
-        one explicit reset after the load is the same on all of them.
+        one explicit reset after the load is the same on all of them. Returns the uid of the
+        version the workers can apply the next delta to (None unless they all hold the same).
         """
         endpoint = self.endpoints[server.spec.index]
         with self._control(server) as http:
             pause = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             _expect_ok(pause, "pause")
             try:
-                results = self._rpc(http, _RELOAD_METHOD, str(folder), str(version))
+                results = self._rpc(http, _RELOAD_METHOD, str(version), *map(str, folders))
                 _confirm_version(results, version)
                 _reset_kv_cache(http)
                 endpoint.policy_version = version
             finally:
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")
+        held = {result.get("holds") for result in results}
+        return held.pop() if len(held) == 1 else None
 
     def _rpc(self, http: httpx.Client, method: str, *args: str) -> list[dict[str, Any]]:
         """Call the reload extension's `method` on every worker of one server; their answers."""
@@ -354,20 +402,19 @@ class InferencePool:
         One report per worker (see `reload_ext.compare_served`): `compared`, `mismatched`,
         `max_abs_diff`, `packed_away`, `version`. A check for tests and audits, not the hot path.
         """
-        folder = local_checkpoint(os.fspath(checkpoint), self.cache_dir)
         with self._reload_lock:
-            return self._compare(folder)
+            return self._compare(self._local_chain(os.fspath(checkpoint), None))
 
-    def _compare(self, folder: Path) -> list[dict[str, Any]]:
+    def _compare(self, folders: list[Path]) -> list[dict[str, Any]]:
         reports: list[dict[str, Any]] = []
         for server in self._servers:
             with self._control(server) as http:
-                reports += self._rpc(http, _COMPARE_METHOD, str(folder))
+                reports += self._rpc(http, _COMPARE_METHOD, *map(str, folders))
         return reports
 
-    def _verify(self, location: str, folder: Path) -> None:
-        """Raise `ServedWeightsMismatchError` unless every server serves `folder` exactly."""
-        reports = self._compare(folder)
+    def _verify(self, location: str, folders: list[Path]) -> None:
+        """Raise `ServedWeightsMismatchError` unless every server serves `folders`' weights."""
+        reports = self._compare(folders)
         bad = [r for r in reports if r["mismatched"] or not r["compared"]]
         if bad:
             raise ServedWeightsMismatchError(

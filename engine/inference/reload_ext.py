@@ -17,23 +17,44 @@ Loaded by every vLLM worker through `--worker-extension-cls`, and called over th
 4. **Proof of what is served, on every vLLM.** Each worker records the policy version it loaded
    and reports it back (vLLM 0.26 has no `/update_weight_version` or `/weight_info` routes), and
    `primeflow_compare` checks the served parameters against a checkpoint folder bit for bit.
+5. **Delta versions.** A policy version may be a delta against the one before
+   (`storage.deltas`). After a full policy version that deltas follow, a worker applies each
+   delta exactly, in place on the served parameters where every checkpoint tensor is a plain
+   block of rows of one of them (a GPU server without tensor parallelism: milliseconds, no
+   reload), or else to a host copy of the weights (its *mirror*, e.g. on vLLM's CPU backend,
+   whose linear layers are packed away) that it then loads. A delta is applied only onto the
+   version it was encoded against (by uid), never onto another lineage's version of that step.
 
-This module runs inside vLLM's worker processes: it may import vLLM, and nothing of primeflow's.
+This module runs inside vLLM's worker processes: it may import vLLM and primeflow's storage
+formats (`storage.deltas`: torch, numpy and pyarrow), nothing else of primeflow's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from safetensors import safe_open
+
+from storage.deltas import (
+    TensorDelta,
+    apply_entries,
+    check_fits,
+    decode_entries,
+    is_delta_file,
+    read_delta_file,
+)
 
 Signature = dict[str, tuple[int, ...]]
 
 _INDEX = "model.safetensors.index.json"
 _TIED_HEAD = "lm_head.weight"
+_MARKER = "_COMMITTED"
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -45,7 +66,7 @@ def weight_files(folder: Path) -> list[Path]:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [folder / name for name in names]
     else:
-        files = sorted(folder.glob("*.safetensors"))
+        files = sorted(f for f in folder.glob("*.safetensors") if not is_delta_file(f.name))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     return files
@@ -94,6 +115,82 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118
                 yield name, handle.get_tensor(name)
+
+
+def commit_meta(folder: Path) -> dict[str, object]:
+    """The `meta` of the folder's `_COMMITTED` marker; empty for a bare model folder."""
+    marker = folder / _MARKER
+    return dict(json.loads(marker.read_text()).get("meta") or {}) if marker.is_file() else {}
+
+
+def is_delta(meta: dict[str, object]) -> bool:
+    return meta.get("kind") == "delta"
+
+
+def keeps_mirror(meta: dict[str, object]) -> bool:
+    """Whether deltas will follow this full version, so its tensors are worth keeping."""
+    return meta.get("uid") is not None and int(str(meta.get("full_every", 1))) > 1
+
+
+def read_delta_folder(folder: Path) -> list[TensorDelta]:
+    """Every tensor delta in a delta version's folder (one file per trainer rank)."""
+    files = sorted(f for f in folder.glob("*.safetensors") if is_delta_file(f.name))
+    if not files:
+        raise FileNotFoundError(f"delta version {folder} has no delta files")
+    return [delta for f in files for delta in read_delta_file(f.read_bytes(), str(f))]
+
+
+def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:
+    """The weights of the last of `folders`: a full version, then the deltas that follow it."""
+    if not folders or is_delta(commit_meta(folders[0])):
+        raise ValueError("a chain of versions to rebuild starts with a full one")
+    tensors = dict(iterate_weights(folders[0]))
+    for folder in folders[1:]:
+        for delta in read_delta_folder(folder):
+            check_fits(delta, tensors.get(delta.name))
+            apply_entries(tensors[delta.name], *decode_entries(delta))
+    return tensors
+
+
+class Target(NamedTuple):
+    """Where a checkpoint tensor of `shape` lies: `param`, from its flat entry `offset` on."""
+
+    param: torch.Tensor
+    offset: int
+    shape: tuple[int, ...]
+
+
+#: A delta and its decoded (positions, signed differences).
+Decoded = list[tuple[TensorDelta, tuple[np.ndarray, np.ndarray]]]
+
+
+def inplace_targets(
+    params: Iterator[tuple[str, torch.Tensor]],
+    shapes: Signature,
+    dtype: torch.dtype,
+    packed: dict[str, list[str]],
+) -> dict[str, Target] | None:
+    """Where each checkpoint tensor lies in the served parameters, if every one is a plain
+    block of rows of one (stacked as `checkpoint_names` says, padded rows after it) in `dtype`;
+    None when any is not: sharded, packed away, converted or strided."""
+    targets: dict[str, Target] = {}
+    for served, param in params:
+        row = 0
+        for name in checkpoint_names(served, packed):
+            shape = shapes.get(name)
+            if shape is None:
+                continue
+            if (
+                param.numel() == 0
+                or param.dtype != dtype
+                or not param.is_contiguous()
+                or tuple(param.shape[1:]) != shape[1:]
+                or param.shape[0] < row + shape[0]
+            ):
+                return None
+            targets[name] = Target(param, row * math.prod(shape[1:]), shape)
+            row += shape[0]
+    return targets if set(shapes) <= set(targets) else None
 
 
 def served_model_folder(model: str, revision: str | None) -> Path:
@@ -207,41 +304,129 @@ class WeightReloadExtension:
 
     _primeflow_reference: Signature | None = None
     _primeflow_version: int = 0
+    #: Where deltas go after a full policy version: the served parameters themselves, or a host
+    #: copy of the weights; and the uid of the version they hold.
+    _primeflow_targets: dict[str, Target] | None = None
+    _primeflow_mirror: dict[str, torch.Tensor] | None = None
+    _primeflow_held: str | None = None
 
     def primeflow_version(self) -> dict[str, int]:
         """The policy version this worker serves (0 until the first reload)."""
         return {"version": self._primeflow_version}
 
-    def primeflow_compare(self, folder: str) -> dict[str, object]:
-        """Compare the weights this worker serves with checkpoint `folder`, bit for bit."""
+    def primeflow_compare(self, *folders: str) -> dict[str, object]:
+        """Compare the weights this worker serves with a version, bit for bit.
+
+        `folders`: one checkpoint folder, or a full policy version and the deltas after it
+        (rebuilt here from the files, independently of the worker's mirror).
+        """
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
             raise ValueError("the direct weight check needs one GPU per server (no TP or PP)")
-        tensors = dict(iterate_weights(Path(folder)))
+        tensors = rebuild([Path(folder) for folder in folders])
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         report = compare_served(model.named_parameters(), tensors, packed)
         return {**report, "version": self._primeflow_version}
 
-    def primeflow_reload(self, folder: str, version: str) -> dict[str, int]:
-        """Validate `folder` against the served weights, load it in place, re-pack tied heads.
+    def primeflow_reload(self, version: str, *folders: str) -> dict[str, object]:
+        """Load a version in place, re-pack tied heads; `version` is recorded as served.
 
-        `version` (a string: `/collective_rpc` passes strings only) is recorded as served.
+        `folders` is a chain: a full version (or checkpoint) and the delta versions after it,
+        or only deltas onto the version this worker holds. Every full folder is checked and
+        every delta read and decoded before a single served parameter is touched. Strings
+        only: `/collective_rpc` passes nothing else. Returns the version and the uid of the
+        version the next delta may be applied to (`holds`, None when none may).
         """
-        path = Path(folder)
+        paths = [Path(folder) for folder in folders]
+        if not paths:
+            raise ValueError("primeflow_reload needs at least one folder")
+        metas = [commit_meta(path) for path in paths]
+        decoded: dict[Path, Decoded] = {}
+        for path, meta in zip(paths, metas, strict=True):
+            if is_delta(meta):
+                decoded[path] = [(d, decode_entries(d)) for d in read_delta_folder(path)]
+            else:
+                self._check_fits(path)
+        held, self._primeflow_held = self._primeflow_held, None  # until this load succeeds
+        stale_mirror = False  # the mirror changed since the model was loaded from it
+        for path, meta in zip(paths, metas, strict=True):
+            if path in decoded:
+                if held is None or held != meta.get("base_uid"):
+                    raise ValueError(
+                        f"{path} is a delta on version {meta.get('base')} "
+                        f"(uid {meta.get('base_uid')}); this worker holds uid {held}"
+                    )
+                stale_mirror |= self._apply(decoded[path])
+            else:
+                self._load(iterate_weights(path))
+                stale_mirror = False
+                self._hold(path, meta)
+            uid = meta.get("uid")
+            held = str(uid) if uid is not None and self._primeflow_holding else None
+        if stale_mirror:
+            assert self._primeflow_mirror is not None
+            self._load(iter(self._primeflow_mirror.items()))
+        repacked = repack_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
+        self._primeflow_version = int(version)
+        self._primeflow_held = held
+        return {"repacked": repacked, "version": self._primeflow_version, "holds": held}
+
+    @property
+    def _primeflow_holding(self) -> bool:
+        return self._primeflow_targets is not None or self._primeflow_mirror is not None
+
+    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        # The worker's own `reload_weights` sets vLLM's current config around the runner's.
+        self.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=weights, is_checkpoint_format=True
+        )
+
+    def _hold(self, path: Path, meta: dict[str, object]) -> None:
+        """After loading full version `path`: where its deltas will go, if deltas follow."""
+        self._primeflow_targets, self._primeflow_mirror = None, None
+        if not keeps_mirror(meta):
+            return
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        dtype = getattr(torch, str(meta.get("dtype", "")), None)
+        if isinstance(dtype, torch.dtype):
+            self._primeflow_targets = inplace_targets(
+                model.named_parameters(), read_signature(path), dtype, packed
+            )
+        if self._primeflow_targets is None:
+            self._primeflow_mirror = dict(iterate_weights(path))
+
+    def _apply(self, decoded: Decoded) -> bool:
+        """Apply decoded deltas in place on the served weights, or to the mirror (then True:
+        the mirror must be loaded into the model). All are checked before any is applied."""
+        targets, mirror = self._primeflow_targets, self._primeflow_mirror
+        for delta, _ in decoded:
+            if targets is None:
+                check_fits(delta, (mirror or {}).get(delta.name))
+                continue
+            target = targets.get(delta.name)
+            if target is None or (target.shape, target.param.dtype) != (delta.shape, delta.dtype):
+                raise ValueError(
+                    f"the delta changes {delta.name} ({delta.dtype}{list(delta.shape)}), "
+                    "which this server does not serve as such"
+                )
+        for delta, (positions, signed) in decoded:
+            if targets is not None:
+                target = targets[delta.name]
+                apply_entries(target.param.data, positions, signed, target.offset)
+            else:
+                assert mirror is not None
+                apply_entries(mirror[delta.name], positions, signed)
+        return targets is None
+
+    def _check_fits(self, path: Path) -> None:
+        """Refuse a folder whose tensors or shapes are not the served model's."""
         model_config = self.model_runner.model_config  # type: ignore[attr-defined]
         if self._primeflow_reference is None:
             base = served_model_folder(model_config.model, model_config.revision)
             self._primeflow_reference = read_signature(base)
         tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-        found = read_signature(path)
-        problem = signature_mismatch(self._primeflow_reference, found, tied=tied)
+        problem = signature_mismatch(self._primeflow_reference, read_signature(path), tied=tied)
         if problem:
             raise ValueError(f"checkpoint {path} does not fit the served model: {problem}")
-        # The worker's own `reload_weights` sets vLLM's current config around the runner's.
-        self.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=iterate_weights(path), is_checkpoint_format=True
-        )
-        repacked = repack_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
-        self._primeflow_version = int(version)
-        return {"tensors": len(found), "repacked": repacked, "version": self._primeflow_version}

@@ -11,14 +11,22 @@ The trainer's part is what goes in:
 - progress (JSON): step, data position, scheduler, optimizer hyper-parameters, world size.
 
 Nothing is unpickled on resume. State dicts are full (unsharded), so a run can resume on a
-different number of ranks (RNG states are then left as they are); a checkpoint costs one
-gather, which is cheap at the sizes one node trains.
+different number of ranks (RNG states are then left as they are).
+
+A checkpoint is written in the background (`CheckpointWriter`): the trainer *snapshots* the
+state (every tensor gathered one at a time and copied into host memory on rank 0, pinned on
+CUDA) and goes on training while a thread writes and commits it. Only the snapshot stalls the
+step; one checkpoint is in flight at a time, and a stage returns only once its last one is
+committed.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from engine.config.trainer import CheckpointConfig
+from engine.trainer.background import BackgroundWrite
 from engine.trainer.distributed import DistInfo
 from engine.trainer.model import PolicyModel
 from storage.checkpoints import (
@@ -48,7 +58,7 @@ from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.store import ObjectStore
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_SHARDED = StateDictOptions(full_state_dict=False)
 OPTIMIZER_PREFIX = "optimizer/"
 RNG_PREFIX = "rng/"
 
@@ -69,13 +79,11 @@ def _embedding_key(policy: PolicyModel) -> str:
     )
 
 
-def _optimizer_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """`{param: {exp_avg, exp_avg_sq, step}}` → `{"optimizer/param/exp_avg": tensor}`."""
-    return {
-        f"{OPTIMIZER_PREFIX}{param}/{name}": value.detach().cpu()
-        for param, values in state.items()
-        for name, value in values.items()
-    }
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
 def _optimizer_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -87,59 +95,158 @@ def _optimizer_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str,
     return state
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A step's trainer state in rank 0's host memory: what `write_checkpoint` takes."""
+
+    step: int
+    weights: dict[str, torch.Tensor]
+    trainer_tensors: dict[str, torch.Tensor]
+    progress: dict[str, Any]
 
 
-def save_checkpoint(
-    store: ObjectStore,
-    step: int,
+class _HostCopies:
+    """Full tensors copied to rank 0's host as they are gathered (pinned on CUDA)."""
+
+    def __init__(self, dist_info: DistInfo) -> None:
+        self.dist_info = dist_info
+        self.pin = dist_info.device.type == "cuda"
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Gather `tensor` (collective for a DTensor) and keep a host copy on rank 0."""
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if self.dist_info.is_main:
+            full = full.detach()
+            host = torch.empty(full.shape, dtype=dtype or full.dtype, pin_memory=self.pin)
+            host.copy_(full, non_blocking=self.pin and full.device.type == "cuda")
+            self.tensors[name] = host
+
+    def done(self) -> dict[str, torch.Tensor]:
+        if self.pin:
+            torch.cuda.synchronize(self.dist_info.device)
+        return self.tensors
+
+
+def snapshot_state(
     policy: PolicyModel,
     optimizer: Optimizer,
     scheduler: LRScheduler,
     dist_info: DistInfo,
     *,
+    step: int,
     progress: Mapping[str, Any],
-    files: Mapping[str, bytes],
-    config: CheckpointConfig,
-) -> None:
-    """Gather and commit `checkpoints/step_<step>`, then apply retention (collective).
+) -> StateSnapshot | None:
+    """Copy what an exact resume needs to rank 0's host (None elsewhere); collective.
 
-    `progress` is the data position (JSON); `files` are tokenizer/generation files to ship.
+    One tensor is gathered at a time, so no rank holds a second copy of the model on the
+    device. Copies, not views: training goes on while a thread writes them.
     """
-    weights = get_model_state_dict(policy, options=_FULL)
-    optim_state = get_optimizer_state_dict(policy, optimizer, options=_FULL)
+    tied = tied_head_key(policy)
+    weights = _HostCopies(dist_info)
+    for name, tensor in get_model_state_dict(policy, options=_SHARDED).items():
+        if name != tied:
+            weights.add(name, tensor, torch.float32)
+    optim_state = get_optimizer_state_dict(policy, optimizer, options=_SHARDED)
+    trainer_tensors = _HostCopies(dist_info)
+    for param, values in optim_state["state"].items():
+        for name, value in values.items():
+            trainer_tensors.add(f"{OPTIMIZER_PREFIX}{param}/{name}", value)
     rng_states: list[dict[str, torch.Tensor] | None] = [None] * dist_info.world_size
     dist.all_gather_object(rng_states, _rng_state(dist_info.device))
-    if dist_info.is_main:
-        tied = tied_head_key(policy)
-        if tied is not None:
-            weights.pop(tied, None)
-        trainer_tensors = _optimizer_tensors(optim_state["state"])
-        for rank, states in enumerate(rng_states):
-            for device, tensor in (states or {}).items():
-                trainer_tensors[f"{RNG_PREFIX}rank{rank}/{device}"] = tensor
-        write_checkpoint(
-            store,
-            step,
-            weights={name: tensor.float() for name, tensor in weights.items()},
-            config=policy.config.to_dict(),
-            files=files,
-            trainer_state=trainer_tensors,
-            progress={
+    weight_copies, tensors = weights.done(), trainer_tensors.done()
+    if not dist_info.is_main:
+        return None
+    for rank, states in enumerate(rng_states):
+        for device, tensor in (states or {}).items():
+            tensors[f"{RNG_PREFIX}rank{rank}/{device}"] = tensor
+    return StateSnapshot(
+        step=step,
+        weights=weight_copies,
+        trainer_tensors=tensors,
+        progress=copy.deepcopy(
+            {
                 "step": step,
                 "world_size": dist_info.world_size,
                 "data": dict(progress),
                 "param_groups": optim_state["param_groups"],
                 "scheduler": scheduler.state_dict(),
-            },
-            max_shard_bytes=int(config.max_shard_gb * 2**30),
+            }
+        ),
+    )
+
+
+class CheckpointWriter:
+    """Resume checkpoints of one stage, snapshotted on the step and written in the background.
+
+    `files` are tokenizer/generation files to ship; `config` the retention and shard size.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        policy: PolicyModel,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        dist_info: DistInfo,
+        *,
+        files: Mapping[str, bytes],
+        config: CheckpointConfig,
+    ) -> None:
+        self.store = store
+        self.policy = policy
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.dist_info = dist_info
+        self.files = dict(files)
+        self.config = config
+        self._writes = BackgroundWrite("a resume checkpoint")
+
+    def save(self, step: int, progress: Mapping[str, Any]) -> float:
+        """Snapshot checkpoint `step` and commit it in the background (collective).
+
+        Returns the seconds the step stalled: waiting for the previous checkpoint and taking
+        the snapshot. A failed earlier checkpoint is raised here.
+        """
+        started = time.perf_counter()
+        self.flush()
+        snapshot = snapshot_state(
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            self.dist_info,
+            step=step,
+            progress=progress,
         )
-        apply_retention(store, keep_last=config.keep_last, keep_every=config.keep_every)
-    dist.barrier()
+        if snapshot is not None:
+            self._writes.start(f"checkpoint-{step}", lambda: self._write(snapshot))
+        return time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Wait until the checkpoint in flight is committed (collective); raise its error."""
+        self._writes.close()
+        if dist.is_initialized():
+            dist.barrier()
+        self._writes.wait()
+
+    def close(self) -> None:
+        """Wait for the checkpoint in flight, if any, without raising."""
+        self._writes.close()
+
+    def _write(self, snapshot: StateSnapshot) -> None:
+        write_checkpoint(
+            self.store,
+            snapshot.step,
+            weights=snapshot.weights,
+            config=self.policy.config.to_dict(),
+            files=self.files,
+            trainer_state=snapshot.trainer_tensors,
+            progress=snapshot.progress,
+            max_shard_bytes=int(self.config.max_shard_gb * 2**30),
+        )
+        apply_retention(
+            self.store, keep_last=self.config.keep_last, keep_every=self.config.keep_every
+        )
 
 
 def latest_checkpoint(store: ObjectStore) -> int | None:

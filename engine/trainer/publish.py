@@ -2,12 +2,16 @@
 
 A resume checkpoint (fp32 masters, AdamW moments, RNG) is ~12 bytes a parameter and written
 every `checkpoint.interval` steps; a server needs only the weights in its serving dtype (2 bytes
-a parameter for bf16). After the optimizer step the trainer *snapshots* the policy: every
-parameter is gathered one at a time (a collective, so every rank takes part), cast to the serving
-dtype on the device and copied to host memory on rank 0. A background thread then encodes,
-hashes, writes and commits `policies/step_N` (the usual Hugging Face folder and `_COMMITTED`)
-and applies retention, while the next step trains. One publication is in flight at a time: the
-next snapshot first waits for it, and that wait is the step's `publish_wait_seconds`.
+a parameter for bf16), and from one step to the next only a few percent of those change. After
+the optimizer step the trainer *snapshots* the policy: every rank casts the rows it owns to the
+serving dtype on the device and compares them, bit for bit, with the version before. Usually the
+version is published as a *delta* (`storage.deltas`: the changed entries, encoded on the device,
+only they copied to pinned host memory), each rank writing its own file; every
+`policy.full_every` versions, after a (re)start, or when a delta would not be smaller, it is
+*full* (the usual Hugging Face folder, gathered to rank 0 one parameter at a time). Background
+threads compress, hash, write and commit `policies/step_N` and apply retention while the next
+step trains. One publication is in flight at a time: the next snapshot first waits for it, and
+that wait is the step's `publish_wait_seconds`.
 
 The cast is the one the server would make (`Tensor.to`, round to nearest even), so the served
 weights are bit-identical to the trainer's, which `inference.verify_reloads` checks.
@@ -15,23 +19,47 @@ weights are bit-identical to the trainer's, which `inference.verify_reloads` che
 
 from __future__ import annotations
 
-import threading
+import functools
+import math
+import secrets
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engine.config.trainer import PolicyConfig
+from engine.trainer.background import BackgroundWrite
 from engine.trainer.distributed import DistInfo
 from engine.trainer.model import PolicyModel
-from storage.checkpoints import apply_retention, write_checkpoint
-from storage.commit import committed_steps, delete_step
+from storage.checkpoints import write_checkpoint
+from storage.commit import (
+    begin_step,
+    commit_step,
+    committed_steps,
+    delete_step,
+)
+from storage.deltas import (
+    changed_entries,
+    compress_entries,
+    delta_file_name,
+    pack_entries,
+)
 from storage.layout import RunLayout
 from storage.paths import join
+from storage.policies import (
+    DELTA,
+    FULL,
+    prune_policies,
+    wait_for_parts,
+    write_delta_file,
+    write_part,
+)
 from storage.store import ObjectStore
 
 #: Sharded state dict: names cleaned of wrappers, no gather (each tensor gathered on its own).
@@ -70,12 +98,98 @@ def snapshot_weights(
     return weights
 
 
+@dataclass(frozen=True)
+class OwnedPart:
+    """The rows of one tensor a rank owns, cast to the serving dtype, on its device.
+
+    tensor: (rows, *shape[1:]), a copy; offset: the flat index of its first entry in the whole
+    tensor of `shape`.
+    """
+
+    tensor: torch.Tensor
+    offset: int
+    shape: tuple[int, ...]
+
+
+def _owned(tensor: torch.Tensor, dist_info: DistInfo) -> tuple[torch.Tensor, int] | None:
+    """This rank's rows of a (sharded) parameter and their flat offset; None if it owns none.
+
+    FSDP2 shards dim 0; a replicated or plain tensor belongs to rank 0, so it is written once.
+    """
+    if not isinstance(tensor, DTensor):
+        return (tensor, 0) if dist_info.is_main else None
+    placements = tuple(tensor.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return (tensor.to_local(), 0) if dist_info.is_main else None
+    if placements != (Shard(0),):
+        raise ValueError(f"cannot publish a tensor placed as {placements} (FSDP2 shards dim 0)")
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    return tensor.to_local(), offset[0] * math.prod(tensor.shape[1:])
+
+
+def owned_parts(
+    params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, dist_info: DistInfo
+) -> dict[str, OwnedPart]:
+    """This rank's rows of every tensor, cast on the device; no collective, no host copy."""
+    parts: dict[str, OwnedPart] = {}
+    for name, tensor in params:
+        owned = _owned(tensor, dist_info)
+        if owned is not None and owned[0].numel():
+            local, offset = owned
+            cast = local.detach().to(dtype, copy=True).contiguous()
+            parts[name] = OwnedPart(cast, offset, tuple(tensor.shape))
+    return parts
+
+
+def agree_sums(values: list[int], dist_info: DistInfo) -> list[int]:
+    """Sum `values` over the ranks (one small all-reduce), so every rank decides alike."""
+    if not dist.is_initialized() or dist_info.world_size == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64, device=dist_info.device)
+    dist.all_reduce(tensor)
+    return [int(value) for value in tensor.tolist()]
+
+
+class _Staging:
+    """One host buffer for a delta's entries, pinned on CUDA, grown as needed, one copy.
+
+    Allocating pinned memory is slow (a delta's size changes every step, which misses torch's
+    cache) and so are hundreds of small copies; one publication is in flight at a time, so the
+    next snapshot reuses the buffer once the previous write is done.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._buffer = torch.empty(0, dtype=torch.uint8, pin_memory=pin)
+
+    def copy(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of `tensors` (views of the buffer, valid until the next `copy`)."""
+        if not tensors:
+            return {}
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+        if self._buffer.numel() < flat.numel():
+            self._buffer = torch.empty(
+                int(flat.numel() * 1.25), dtype=torch.uint8, pin_memory=self.pin
+            )
+        host = self._buffer[: flat.numel()]
+        host.copy_(flat, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.synchronize(flat.device)
+        views, start = {}, 0
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            views[name] = host[start : start + size].view(tensor.dtype).view(tensor.shape)
+            start += size
+        return views
+
+
 class PolicyPublisher:
-    """Publishes policy versions of one RL run from rank 0 on a background thread.
+    """Publishes the policy versions of one RL run, every rank its part, in the background.
 
     `lineage` is the resume checkpoint's step the trainer started from (0: a fresh start),
     recorded in every version's commit meta so an audit can tell a version written before a
-    resume from one written after it.
+    resume from one written after it. Every version also gets a random `uid`, and a delta
+    names its base's (`storage.policies`), so no reader applies it to another lineage.
     """
 
     def __init__(
@@ -97,62 +211,157 @@ class PolicyPublisher:
         self.tied_head = tied_head
         self.lineage = lineage
         self.dtype = serving_dtype(policy.config)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writes = BackgroundWrite("a policy version")
+        # The sharded parameters themselves (FSDP2 keeps them), named once: naming them is
+        # slower than the snapshot itself.
+        self._params = [
+            (name, tensor)
+            for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
+            if name != tied_head
+        ]
+        self._staging = _Staging(dist_info.device.type == "cuda")
+        self._previous: dict[str, OwnedPart] | None = None
+        self._previous_version: tuple[int, str] | None = None
+        self._since_full = 0
 
     def publish(self, step: int) -> dict[str, float]:
         """Snapshot the policy as version `step` and write it in the background (collective).
 
-        Returns the seconds this step stalled: waiting for the previous publication and taking
-        the snapshot. A failed earlier publication is raised here.
+        Returns the seconds this step stalled (waiting for the previous publication, taking the
+        snapshot), whether the version is full and the fraction of entries that changed. A
+        failed earlier publication is raised here.
         """
         started = time.perf_counter()
         self.flush()
         waited = time.perf_counter() - started
-        weights = snapshot_weights(self.policy, self.dtype, self.dist_info, self.tied_head)
-        if self.dist_info.is_main:
-            self._thread = threading.Thread(
-                target=self._write, args=(step, weights), name=f"publish-{step}", daemon=True
-            )
-            self._thread.start()
+        current = owned_parts(self._params, self.dtype, self.dist_info)
+        entries = self._changes(current) if self._previous is not None else None
+        entries_local = sum(p.numel() for p, _ in (entries or {}).values())
+        total_local = sum(part.tensor.numel() for part in current.values())
+        uid_bits = (
+            [secrets.randbits(62), secrets.randbits(62)] if self.dist_info.is_main else [0, 0]
+        )
+        raw, full, changed, total, *uid_bits = agree_sums(
+            [
+                sum(p.numel() * (4 + p.element_size()) for p, _ in (entries or {}).values()),
+                sum(part.tensor.numel() * part.tensor.element_size() for part in current.values()),
+                total_local if entries is None else entries_local,
+                total_local,
+                *uid_bits,
+            ],
+            self.dist_info,
+        )
+        uid = f"{uid_bits[0]:016x}{uid_bits[1]:016x}"
+        as_delta = entries is not None and self._delta_due() and raw < full
+        if as_delta:
+            assert entries is not None
+            job = self._delta_job(step, uid, current, entries)
+            self._since_full += 1
+        else:
+            job = self._full_job(step, uid)
+            self._since_full = 0
+        self._previous, self._previous_version = current, (step, uid)
+        self._writes.start(f"publish-{step}", job)
         return {
             "publish_wait_seconds": waited,
             "publish_snapshot_seconds": time.perf_counter() - started - waited,
+            "policy_full": float(not as_delta),
+            "policy_changed_fraction": changed / max(total, 1),
         }
+
+    def _delta_due(self) -> bool:
+        """The same answer on every rank: they share the schedule."""
+        return self._since_full + 1 < self.config.full_every
+
+    def _changes(
+        self, current: dict[str, OwnedPart]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        assert self._previous is not None
+        return {
+            name: changed_entries(self._previous[name].tensor, part.tensor, part.offset)
+            for name, part in current.items()
+        }
+
+    def _full_job(self, step: int, uid: str) -> functools.partial[None]:
+        weights = snapshot_weights(self.policy, self.dtype, self.dist_info, self.tied_head)
+        return functools.partial(self._write_full, step, uid, weights)
+
+    def _delta_job(
+        self,
+        step: int,
+        uid: str,
+        current: dict[str, OwnedPart],
+        entries: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> functools.partial[None]:
+        names = [name for name, (positions, _) in entries.items() if positions.numel()]
+        hosts = self._staging.copy(
+            {
+                name: pack_entries(*entries[name], current[name].tensor.element_size())
+                for name in names
+            }
+        )
+        packed = [(name, current[name], hosts[name], entries[name][0].numel()) for name in names]
+        assert self._previous_version is not None
+        return functools.partial(self._write_delta, step, uid, self._previous_version, packed)
 
     def flush(self) -> None:
         """Wait for the publication in flight; raise its error, if it failed."""
-        self.close()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"publishing a policy version failed: {error}") from error
+        self._writes.wait()
 
     def close(self) -> None:
-        """Wait for the publication in flight, if any, without raising (on the way out of a
-        failed stage: its own error is the one to report)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Wait for the publication in flight, if any, without raising."""
+        self._writes.close()
 
-    def _write(self, step: int, weights: dict[str, torch.Tensor]) -> None:
-        try:
-            write_checkpoint(
-                self.store,
-                step,
-                weights=weights,
-                config=self.policy.config.to_dict(),
-                files=self.files,
-                parent=RunLayout.POLICIES,
-                meta={"dtype": str(self.dtype).removeprefix("torch."), "lineage": self.lineage},
-            )
-            apply_retention(
-                self.store,
-                keep_last=self.config.keep_last,
-                keep_every=self.config.keep_every,
-                parent=RunLayout.POLICIES,
-            )
-        except BaseException as exc:  # surfaced on the trainer's thread by `flush`
-            self._error = exc
+    def _meta(self, uid: str) -> dict[str, Any]:
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "lineage": self.lineage,
+            "uid": uid,
+            "full_every": self.config.full_every,
+        }
+
+    def _write_full(self, step: int, uid: str, weights: dict[str, torch.Tensor]) -> None:
+        if not self.dist_info.is_main:
+            return
+        write_checkpoint(
+            self.store,
+            step,
+            weights=weights,
+            config=self.policy.config.to_dict(),
+            files=self.files,
+            parent=RunLayout.POLICIES,
+            meta={**self._meta(uid), "kind": FULL},
+        )
+        self._prune()
+
+    def _write_delta(
+        self,
+        step: int,
+        uid: str,
+        base: tuple[int, str],
+        packed: list[tuple[str, OwnedPart, torch.Tensor, int]],
+    ) -> None:
+        step_dir = RunLayout.policy_dir(step)
+        rank, world = self.dist_info.rank, self.dist_info.world_size
+        if world == 1:
+            begin_step(self.store, step_dir)
+        deltas = [
+            compress_entries(name, part.shape, part.tensor.dtype, host.numpy(), count)
+            for name, part, host, count in packed
+        ]
+        files = write_delta_file(self.store, step_dir, delta_file_name(rank, world), deltas)
+        if not self.dist_info.is_main:
+            write_part(self.store, step_dir, rank, files, uid=uid)
+            return
+        files.update(wait_for_parts(self.store, step_dir, range(1, world), uid=uid))
+        meta = {**self._meta(uid), "kind": DELTA, "base": base[0], "base_uid": base[1]}
+        commit_step(self.store, step_dir, files, step=step, meta=meta)
+        self._prune()
+
+    def _prune(self) -> None:
+        prune_policies(
+            self.store, keep_last=self.config.keep_last, keep_every=self.config.keep_every
+        )
 
     def forget_after(self, step: int) -> list[int]:
         """Delete committed versions newer than `step` (rank 0; collective): a resumed trainer's

@@ -24,10 +24,10 @@ class RolloutDataError(ValueError):
     """A committed shard holds data the trainer cannot train on."""
 
 
-def wait_for_rollouts(store: ObjectStore, step: int, timeout_s: float) -> pa.Table:
+def wait_for_rollouts(store: ObjectStore, step: int, timeout_s: float, poll_s: float) -> pa.Table:
     """Block until `rollouts/step_<step>` is committed, then read and verify it."""
     try:
-        wait_for_step(store, RunLayout.ROLLOUTS, step, timeout_s=timeout_s)
+        wait_for_step(store, RunLayout.ROLLOUTS, step, timeout_s=timeout_s, poll_s=poll_s)
     except StepTimeoutError as exc:
         raise TimeoutError(
             f"trainer: no rollouts for step {step} at {store.url(RunLayout.rollouts_dir(step))} "

@@ -39,9 +39,9 @@ from engine.placement import bind_to_cores
 from engine.run import run_store as open_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import (
+    CheckpointWriter,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
     tied_head_key,
 )
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
@@ -106,6 +106,7 @@ class Trainer:
     run_store: ObjectStore
     assets: dict[str, bytes]
     max_steps: int
+    checkpoints: CheckpointWriter
 
     @property
     def seq_len(self) -> int:
@@ -131,29 +132,16 @@ class Trainer:
             optim.max_grad_norm,
         )
 
-    def checkpoint(self, step: int, progress: dict[str, Any]) -> None:
-        save_checkpoint(
-            self.store,
-            step,
-            self.ctx.policy,
-            self.optimizer,
-            self.scheduler,
-            self.dist,
-            progress=progress,
-            files=self.assets,
-            config=self.config.trainer.checkpoint,
-        )
-
     def finish_step(self, step: int, metrics: dict[str, Any], progress: dict[str, Any]) -> None:
-        """Commit the step's checkpoint when one is due, then log its metrics with its cost.
+        """Start the step's resume checkpoint when one is due, then log the step's metrics.
 
-        `checkpoint_seconds` is what the step stalled on writing it (the GPU benchmark's
-        "writing what inference needs"), so the line is written after the commit.
+        `checkpoint_seconds` is what the step stalled on it (the snapshot, and waiting for the
+        previous checkpoint to be committed); the files are written in the background.
         """
-        started = time.perf_counter()
+        stalled = 0.0
         if self.should_checkpoint(step):
-            self.checkpoint(step, progress)
-        metrics["checkpoint_seconds"] = time.perf_counter() - started
+            stalled = self.checkpoints.save(step, progress)
+        metrics["checkpoint_seconds"] = stalled
         self.log_metrics(step, metrics)
 
     def should_checkpoint(self, step: int) -> bool:
@@ -216,18 +204,29 @@ def build_trainer(
         peak_flops=measure_bf16_peak(dist.device) if on_gpu else None,
     )
     optimizer = build_optimizer(policy, optim, dist.device)
+    scheduler = build_scheduler(optimizer, scheduler_config, max_steps)
     run_store = open_store(config)
+    store = stage_store(run_store, stage)
     return Trainer(
         config=config,
         stage=stage,
         dist=dist,
-        store=stage_store(run_store, stage),
+        store=store,
         run_store=run_store,
         ctx=ctx,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, scheduler_config, max_steps),
+        scheduler=scheduler,
         assets=assets,
         max_steps=max_steps,
+        checkpoints=CheckpointWriter(
+            store,
+            policy,
+            optimizer,
+            scheduler,
+            dist,
+            files=assets,
+            config=trainer_config.checkpoint,
+        ),
     )
 
 
@@ -250,8 +249,10 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
     try:
         train_rl_steps(trainer, publisher, first, loss_fn)
         publisher.flush()
+        trainer.checkpoints.flush()
     finally:
         publisher.close()
+        trainer.checkpoints.close()
 
 
 def train_rl_steps(
@@ -262,7 +263,9 @@ def train_rl_steps(
     vocab_size = trainer.ctx.policy.config.vocab_size
     for step in range(first, trainer.max_steps + 1):
         wait_start = time.perf_counter()
-        table = wait_for_rollouts(trainer.store, step, trainer_config.rollout_timeout_s)
+        table = wait_for_rollouts(
+            trainer.store, step, trainer_config.rollout_timeout_s, trainer_config.poll_interval_s
+        )
         samples = samples_from_rollouts(
             table,
             step=step,
@@ -333,13 +336,17 @@ def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -
     trainer = build_trainer(config, "sft", dist, assets, sft.optim, sft.scheduler, max_steps)
     first, progress = trainer.resume()
     position = int(progress.get("position", 0))
-    for step in range(first, max_steps + 1):
-        metrics = trainer.step(data.batch(position, sft.batch_size), sft_loss, sft.optim)
-        position += sft.batch_size
-        metrics["epoch"] = position / len(data.train)
-        if data.eval and (step % sft.eval_interval == 0 or step == max_steps):
-            metrics["eval_loss"] = evaluate(trainer, data.eval, sft.batch_size)["loss"]
-        trainer.finish_step(step, metrics, {"position": position})
+    try:
+        for step in range(first, max_steps + 1):
+            metrics = trainer.step(data.batch(position, sft.batch_size), sft_loss, sft.optim)
+            position += sft.batch_size
+            metrics["epoch"] = position / len(data.train)
+            if data.eval and (step % sft.eval_interval == 0 or step == max_steps):
+                metrics["eval_loss"] = evaluate(trainer, data.eval, sft.batch_size)["loss"]
+            trainer.finish_step(step, metrics, {"position": position})
+        trainer.checkpoints.flush()
+    finally:
+        trainer.checkpoints.close()
 
 
 def evaluate(trainer: Trainer, samples: Sequence[Sample], batch_size: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.commit import committed_steps, latest_committed_step, verify_step
+from storage.commit import committed_steps, latest_committed_step, read_commit, verify_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.shards import read_rollouts
@@ -99,3 +99,12 @@ def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> N
     served = [line["policy/served_version"] for line in orchestrator]
     assert served[-1] >= STEPS - 2
     assert orchestrator[-1]["policy/verified_tensors"] > 0
+    # Version 0 is full, the later ones exact deltas (the recipe's small lr changes few bf16
+    # entries): the server applied them in place on the GPU, each reload verified as above.
+    kinds = [
+        read_commit(store, RunLayout.policy_dir(step)).meta["kind"]
+        for step in committed_steps(store, RunLayout.POLICIES)
+    ]
+    assert kinds[-1] == "delta", kinds
+    fractions = [line["policy_changed_fraction"] for line in trainer]
+    assert all(0 <= f < 0.5 for f in fractions) and max(fractions) > 0, fractions

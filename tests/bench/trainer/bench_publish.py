@@ -7,20 +7,27 @@ checkpoint and a plain safetensors save, on Qwen3-0.6B- / 1.7B-shaped models, in
 Per step, with a real training step (`--train-tokens` in rows of 8192, FSDP2, bf16 compute,
 fp32 masters, AdamW) between publications, into a `file://` run root on local disk:
 
-- `checkpoint`: `save_checkpoint`, what every RL step wrote before issue 14 (fp32 weights,
-  AdamW moments, RNG; gathered to rank 0, written by it while training waits): its stall.
-- `policy`: `PolicyPublisher.publish` (snapshot in the serving dtype, written and committed in
-  the background while the next step trains): its stall (waiting for the previous publication +
-  the snapshot), and the wait for the last one to finish.
+- `checkpoint`: a resume checkpoint written while training waits, what every RL step wrote
+  before issue 14 (fp32 weights, AdamW moments, RNG; gathered to rank 0, written by it).
+- `resume`: the same checkpoint as the trainer writes it now (`CheckpointWriter`: snapshot to
+  pinned host memory, written and committed in the background while the next step trains).
+- `policy`: `PolicyPublisher.publish` with every version full (snapshot in the serving dtype,
+  written and committed in the background while the next step trains): its stall (waiting for
+  the previous publication + the snapshot) and bytes.
+- `delta`: the same with deltas (one full version, then exact deltas against the version
+  before): the median stall and bytes of the delta versions, and the fraction of entries that
+  changed per step (AdamW, lr 1e-6, as in RL).
 - `safetensors`: the gathered bf16 state dict saved with `safetensors.torch.save_file`,
   synchronously (the plain baseline).
 
-Bytes per version are the committed files' sizes. Ratios: each stall over the training step.
+Bytes per version are the committed files' sizes. Ratios: each stall over the training step,
+each version's bytes over the bf16 weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,7 +48,7 @@ from engine.config.trainer import (
     PolicyConfig,
 )
 from engine.trainer.batching import micro_batches
-from engine.trainer.checkpoint import save_checkpoint, tied_head_key
+from engine.trainer.checkpoint import CheckpointWriter, tied_head_key
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import sft_loss
 from engine.trainer.model import ModelOptions, build_policy, causal_lm_from_config
@@ -115,44 +122,76 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     train(0)  # warm-up; AdamW has its moments from here on
     results: dict[str, Any] = {"shape": args.shape, "device": str(dist.device)}
 
-    store = ObjectStore(f"file://{root}/checkpoint")
-    stalls, train_s = [], []
-    keep = CheckpointConfig(keep_last=1)
-    # fmt: off
-    for step in range(1, args.steps + 1):
-        train_s.append(train(step))
-        stalls.append(
-            timed(
-                lambda step=step: save_checkpoint(
-                    store, step, policy, optimizer, scheduler, dist,
-                    progress={}, files={}, config=keep,
-                )
-            )
-        )
-    # fmt: on
-    results["checkpoint"] = {
-        "stall_s": statistics.median(stalls),
-        "bytes": committed_bytes(store, RunLayout.checkpoint_dir(args.steps)),
-    }
+    def checkpoint_steps(name: str, background: bool) -> dict[str, Any]:
+        """Train and checkpoint `args.steps` times, in the background or waiting for each.
 
-    store = ObjectStore(f"file://{root}/policy")
-    publisher = PolicyPublisher(
-        store, policy, dist, config=PolicyConfig(keep_last=2), files={},
-        tied_head=tied_head_key(policy), lineage=0,
-    )  # fmt: skip
-    stalls, waits = [], []
-    for step in range(1, args.steps + 1):
-        train_s.append(train(step))
-        cost = publisher.publish(step)
-        stalls.append(cost["publish_wait_seconds"] + cost["publish_snapshot_seconds"])
-        waits.append(cost["publish_wait_seconds"])
-    last_write = timed(publisher.flush)
-    results["policy"] = {
-        "stall_s": statistics.median(stalls),
-        "wait_s": statistics.median(waits),
-        "last_write_s": last_write,
-        "bytes": committed_bytes(store, RunLayout.policy_dir(args.steps)),
-    }
+        In the background the stall is the snapshot alone: the wait for the previous write is
+        timed apart (`wait_s`), since the bench checkpoints every step and the trainer every
+        `checkpoint.interval` (default 10).
+        """
+        store = ObjectStore(f"file://{root}/{name}")
+        writer = CheckpointWriter(
+            store, policy, optimizer, scheduler, dist, files={},
+            config=CheckpointConfig(keep_last=1),
+        )  # fmt: skip
+        stalls, waits = [], []
+        for step in range(1, args.steps + 1):
+            train_s.append(train(step))
+            waits.append(timed(writer.flush))
+            stalls.append(timed(lambda step=step: writer.save(step, {})))
+            if not background:
+                stalls[-1] += timed(writer.flush)
+        last_write = timed(writer.flush)
+        size = committed_bytes(store, RunLayout.checkpoint_dir(args.steps))
+        shutil.rmtree(root / name, ignore_errors=True)  # a 1.7B checkpoint is 20 GB
+        return {
+            "stall_s": statistics.median(stalls),
+            "wait_s": statistics.median(waits),
+            "last_write_s": last_write,
+            "bytes": size,
+        }
+
+    train_s: list[float] = []
+    results["checkpoint"] = checkpoint_steps("checkpoint", background=False)
+    results["resume"] = checkpoint_steps("resume", background=True)
+
+    def publish_steps(name: str, full_every: int) -> dict[str, Any]:
+        """Train and publish `args.steps` versions; the stall and bytes of each kind."""
+        store = ObjectStore(f"file://{root}/{name}")
+        publisher = PolicyPublisher(
+            store, policy, dist, config=PolicyConfig(keep_last=2, full_every=full_every),
+            files={}, tied_head=tied_head_key(policy), lineage=0,
+        )  # fmt: skip
+        stalls: dict[bool, list[float]] = {True: [], False: []}
+        sizes: dict[bool, list[int]] = {True: [], False: []}
+        changed, waits, kinds = [], [], []
+        for step in range(1, args.steps + 1):
+            train_s.append(train(step))
+            cost = publisher.publish(step)  # returns once version step - 1 is committed
+            kinds.append(bool(cost["policy_full"]))
+            stalls[kinds[-1]].append(
+                cost["publish_wait_seconds"] + cost["publish_snapshot_seconds"]
+            )
+            waits.append(cost["publish_wait_seconds"])
+            changed.append(cost["policy_changed_fraction"])
+            if step > 1:
+                sizes[kinds[-2]].append(committed_bytes(store, RunLayout.policy_dir(step - 1)))
+        last_write = timed(publisher.flush)
+        sizes[kinds[-1]].append(committed_bytes(store, RunLayout.policy_dir(args.steps)))
+        shutil.rmtree(root / name, ignore_errors=True)
+        kind = "delta" if stalls[False] else "full"
+        return {
+            "stall_s": statistics.median(stalls[kind == "full"]),
+            "wait_s": statistics.median(waits),
+            "last_write_s": last_write,
+            "bytes": statistics.median(sizes[kind == "full"]),
+            "changed_fraction": statistics.median(changed[1:] or changed),
+            "full_versions": len(sizes[True]),
+            "full_stall_s": statistics.median(stalls[True]) if stalls[True] else None,
+        }
+
+    results["policy"] = publish_steps("policy", full_every=1)
+    results["delta"] = publish_steps("delta", full_every=args.steps + 1)
 
     stalls = []
     for step in range(1, args.steps + 1):
@@ -176,9 +215,10 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     results["bf16_weight_bytes"] = 2 * sum(
         p.numel() for n, p in policy.state_dict().items() if n != tied_head_key(policy)
     )
-    for name in ("checkpoint", "policy", "safetensors"):
+    for name in ("checkpoint", "resume", "policy", "delta", "safetensors"):
         results[name]["stall_over_step"] = results[name]["stall_s"] / step_s
-    results["policy"]["bytes_over_bf16"] = results["policy"]["bytes"] / results["bf16_weight_bytes"]
+    for name in ("policy", "delta"):
+        results[name]["bytes_over_bf16"] = results[name]["bytes"] / results["bf16_weight_bytes"]
     return results
 
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -23,6 +24,10 @@ from engine.config.orchestrator import SamplingConfig
 from engine.inference.client import InferenceClient, Sample
 from engine.inference.pool import InferencePool, ReloadError
 from storage.checkpoints import write_checkpoint
+from storage.commit import commit_step, delete_step
+from storage.deltas import tensor_delta
+from storage.layout import RunLayout
+from storage.policies import write_delta_file
 from storage.store import ObjectStore
 from tests.integration.inference.reference import greedy, token_logprobs
 from tests.integration.vllm import Weights
@@ -141,6 +146,65 @@ def test_reload_a_committed_checkpoint_by_uri(base_pool: InferencePool, weights:
     assert_serves(base_pool, weights.other, long_prompt(weights), version=3)
 
 
+def publish_full(store: ObjectStore, step: int, folder, uid: str) -> dict:
+    tensors = load_file(folder / "model.safetensors")
+    write_checkpoint(
+        store,
+        step,
+        weights=tensors,
+        config=json.loads((folder / "config.json").read_text()),
+        parent=RunLayout.POLICIES,
+        meta={"kind": "full", "uid": uid, "full_every": 10},
+    )
+    return tensors
+
+
+def publish_delta(store: ObjectStore, step: int, old: dict, new: dict, uid: str, base) -> None:
+    """A delta version as the trainer writes one: `new` against `old`, named by its base."""
+    step_dir = RunLayout.policy_dir(step)
+    deltas = [tensor_delta(name, old[name], new[name]) for name in new]
+    files = write_delta_file(store, step_dir, "delta-00000-of-00001.safetensors", deltas)
+    meta = {"kind": "delta", "uid": uid, "full_every": 10, "base": base[0], "base_uid": base[1]}
+    commit_step(store, step_dir, files, step=step, meta=meta)
+
+
+def test_delta_versions_are_applied_exactly(base_pool: InferencePool, weights: Weights) -> None:
+    """A full version, then deltas: the server applies them to the version it holds (a few
+    entries changed, then every entry), serves the result bit for bit, verified against the
+    chain rebuilt from the files; a delta of another lineage is refused."""
+    run = f"memory://deltas-{uuid.uuid4().hex}/run"
+    store = ObjectStore(run)
+    base = publish_full(store, 1, weights.base, "v1")
+    generator = torch.Generator().manual_seed(0)
+    nudged = {}
+    for name, tensor in base.items():
+        flat = tensor.clone().reshape(-1)
+        picked = torch.randperm(flat.numel(), generator=generator)[: max(1, flat.numel() // 30)]
+        flat[picked] += 0.01
+        nudged[name] = flat.reshape(tensor.shape)
+    publish_delta(store, 2, base, nudged, "v2", (1, "v1"))
+    other = load_file(weights.other / "model.safetensors")
+    publish_delta(store, 3, nudged, other, "v3", (2, "v2"))
+    publish_delta(store, 4, other, base, "v4", (3, "not-v3"))
+
+    config = base_pool.config
+    base_pool.config = config.model_copy(update={"verify_reloads": True})
+    try:
+        assert base_pool.reload(f"{run}/policies/step_000002") == 2  # full 1 + delta 2
+        (report,) = base_pool.compare_served(f"{run}/policies/step_000002")
+        assert report["mismatched"] == 0 and report["compared"] > 0
+        for step in (1, 2):  # the server holds version 2: it needs delta 3 alone
+            delete_step(store, RunLayout.policy_dir(step))
+        assert base_pool.reload(f"{run}/policies/step_000003") == 3
+        assert_serves(base_pool, weights.other, long_prompt(weights), version=3)
+        with pytest.raises(ReloadError, match="another version 3"):
+            base_pool.reload(f"{run}/policies/step_000004")
+        assert weight_version(base_pool) == 3
+    finally:
+        base_pool.config = config
+    assert_serves(base_pool, weights.other, long_prompt(weights), version=3)
+
+
 @pytest.mark.parametrize(
     ("which", "says"),
     [
@@ -164,7 +228,7 @@ def test_server_itself_refuses_a_bad_checkpoint(base_pool: InferencePool, weight
     url = f"{base_pool.endpoints[0].base_url}/collective_rpc"
     headers = {"Authorization": f"Bearer {base_pool.api_key}"}
     for folder in (weights.wrong_shape, weights.truncated):
-        body = {"method": "primeflow_reload", "args": [str(folder), "7"]}
+        body = {"method": "primeflow_reload", "args": ["7", str(folder)]}
         response = httpx.post(url, json=body, headers=headers, timeout=60)
         assert response.status_code == 500
     assert_serves(base_pool, weights.base, long_prompt(weights), version=0)

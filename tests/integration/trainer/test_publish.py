@@ -1,5 +1,6 @@
-"""Policy versions: every RL step, in the serving dtype, apart from resume checkpoints; a resumed
-trainer's lineage replaces what its dead predecessor published past its checkpoint."""
+"""Policy versions: every RL step, in the serving dtype, apart from resume checkpoints; exact
+deltas between full versions; a resumed trainer's lineage replaces what its dead predecessor
+published past its checkpoint."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from engine.run import run_store as open_run_store
 from engine.trainer.worker import run_stage
 from storage.checkpoints import fetch_checkpoint
 from storage.commit import committed_steps, read_commit
+from storage.errors import PermanentStorageError
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
+from storage.policies import load_policy_weights
 from tests.integration.trainer.conftest import SPEC, make_config, write_steps
 
 
@@ -30,9 +33,21 @@ def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def stored(config, step: int, parent: str) -> dict[str, torch.Tensor]:
+    """A resume checkpoint's weights, or a policy version's (rebuilt from its chain)."""
+    if parent == RunLayout.POLICIES:
+        return load_policy_weights(open_run_store(config), step)
     with tempfile.TemporaryDirectory() as tmp:
         folder = fetch_checkpoint(open_run_store(config), step, Path(tmp) / "f", parent=parent)
         return load_file(str(folder / "model.safetensors"))
+
+
+def assert_versions_are_the_masters_cast(config, steps: range) -> None:
+    for step in steps:
+        masters, policy = stored(config, step, "checkpoints"), stored(config, step, "policies")
+        assert policy.keys() == masters.keys()
+        for name, tensor in policy.items():
+            assert tensor.dtype == torch.bfloat16 and masters[name].dtype == torch.float32
+            assert torch.equal(tensor, masters[name].to(torch.bfloat16)), (step, name)
 
 
 def test_every_step_publishes_the_weights_in_the_serving_dtype(
@@ -43,23 +58,22 @@ def test_every_step_publishes_the_weights_in_the_serving_dtype(
         bf16_model_dir,
         "publish",
         max_steps=4,
-        trainer={"checkpoint": {"interval": 3, "keep_last": None}, "policy": {"keep_last": 3}},
+        trainer={
+            "checkpoint": {"interval": 3, "keep_last": None},
+            "policy": {"keep_last": 3, "full_every": 1},
+        },
     )
     write_steps(config, range(1, 5))
     run_stage(config, "rl")
     store = open_run_store(config)
-    # Resume checkpoints on their own cadence (every 3 and the last); versions every step, the
-    # newest three kept (version 0, the starting weights, was published first and pruned).
+    # Resume checkpoints on their own cadence (every 3 and the last); versions every step, all
+    # full here, the newest three kept (version 0, the starting weights, was pruned).
     assert committed_steps(store, RunLayout.CHECKPOINTS) == [3, 4]
     assert committed_steps(store, RunLayout.POLICIES) == [2, 3, 4]
-    for step in (3, 4):
-        masters, policy = stored(config, step, "checkpoints"), stored(config, step, "policies")
-        assert policy.keys() == masters.keys()
-        for name, tensor in policy.items():
-            assert tensor.dtype == torch.bfloat16 and masters[name].dtype == torch.float32
-            assert torch.equal(tensor, masters[name].to(torch.bfloat16)), name
+    assert_versions_are_the_masters_cast(config, range(3, 5))
     record = read_commit(store, RunLayout.policy_dir(4))
     assert record.meta["dtype"] == "bfloat16" and record.meta["lineage"] == 0
+    assert record.meta["kind"] == "full"
     assert not any(name.startswith("trainer/") for name in record.files)
     with tempfile.TemporaryDirectory() as tmp:
         folder = fetch_checkpoint(store, 4, Path(tmp) / "p", parent=RunLayout.POLICIES)
@@ -69,6 +83,44 @@ def test_every_step_publishes_the_weights_in_the_serving_dtype(
     lines = read_metrics(store, "rl")
     assert all(line["publish_wait_seconds"] >= 0 for line in lines)
     assert all(line["publish_snapshot_seconds"] > 0 for line in lines)
+
+
+def test_deltas_rebuild_every_version_exactly_and_retention_keeps_their_chains(
+    tmp_path: Path, bf16_model_dir: Path
+) -> None:
+    """At a small learning rate few bf16 entries change: versions between full ones are deltas,
+    and version + its chain is the masters' cast bit for bit at every step."""
+    config = make_config(
+        tmp_path,
+        bf16_model_dir,
+        "deltas",
+        max_steps=5,
+        trainer={
+            "optim": {"lr": 1e-5},
+            "checkpoint": {"interval": 1, "keep_last": None},
+            "policy": {"keep_last": 2, "full_every": 3},
+        },
+    )
+    write_steps(config, range(1, 6))
+    run_stage(config, "rl")
+    store = open_run_store(config)
+    kinds = {
+        step: read_commit(store, RunLayout.policy_dir(step)).meta["kind"]
+        for step in committed_steps(store, RunLayout.POLICIES)
+    }
+    # Versions 0 and 3 full, 1-2 and 4-5 deltas; keeping the newest two (4, 5) keeps their
+    # chain back to the full version 3.
+    assert kinds == {3: "full", 4: "delta", 5: "delta"}
+    delta = read_commit(store, RunLayout.policy_dir(5))
+    assert list(delta.files) == ["delta-00000-of-00001.safetensors"]
+    assert delta.meta["base"] == 4
+    assert delta.meta["base_uid"] == read_commit(store, RunLayout.policy_dir(4)).meta["uid"]
+    assert_versions_are_the_masters_cast(config, range(3, 6))
+    lines = read_metrics(store, "rl")
+    assert [line["policy_full"] for line in lines] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert all(0 < line["policy_changed_fraction"] < 0.5 for line in lines)
+    full_bytes = sum(d.size for d in read_commit(store, RunLayout.policy_dir(3)).files.values())
+    assert delta.files["delta-00000-of-00001.safetensors"].size < full_bytes / 4
 
 
 def test_a_resumed_trainer_replaces_the_versions_past_its_checkpoint(
@@ -116,8 +168,9 @@ def test_a_failed_background_write_fails_the_stage_and_the_rerun_completes(
     blocker = Path(store.url(RunLayout.POLICIES).removeprefix("file://"))
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a folder")
-    with pytest.raises(RuntimeError, match="publishing a policy version failed"):
+    with pytest.raises(PermanentStorageError, match=store.url(RunLayout.POLICIES)) as failed:
         run_stage(config, "rl")
+    assert "while writing a policy version in the background" in failed.value.__notes__[0]
     assert committed_steps(store, RunLayout.CHECKPOINTS) == []
     blocker.unlink()
     run_stage(config, "rl")

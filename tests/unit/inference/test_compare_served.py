@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.inference.reload_ext import checkpoint_names, compare_served
+from engine.inference.reload_ext import checkpoint_names, compare_served, inplace_targets
+from storage.deltas import apply_entries, decode_entries, tensor_delta
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -78,3 +79,39 @@ def test_a_checkpoint_of_another_shape_is_an_error() -> None:
     tensors["model.norm.weight"] = torch.ones(8)
     with pytest.raises(ValueError, match=r"model\.norm\.weight: checkpoint shape"):
         compare_served(iter(served_from(checkpoint()).items()), tensors, PACKED)
+
+
+def test_deltas_applied_in_place_on_fused_and_padded_parameters() -> None:
+    """A GPU server's delta path: each checkpoint tensor's block of rows in the served
+    parameters (q, k, v stacked in qkv_proj; padded vocabulary rows untouched)."""
+    old = {name: t.to(torch.bfloat16) for name, t in checkpoint().items()}
+    served = served_from(old)
+    del served["model.layers.0.self_attn.o_proj.weight"]  # a GPU packs nothing away
+    shapes = {name: tuple(t.shape) for name, t in old.items()}
+    targets = inplace_targets(iter(served.items()), shapes, torch.bfloat16, PACKED)
+    assert targets is not None and set(targets) == set(old)
+    generator = torch.Generator().manual_seed(3)
+    new = {
+        name: (t.float() + 0.1 * torch.randn(t.shape, generator=generator)).to(torch.bfloat16)
+        for name, t in old.items()
+    }
+    for name in old:
+        delta = tensor_delta(name, old[name], new[name])
+        target = targets[name]
+        apply_entries(target.param, *decode_entries(delta), target.offset)
+    expected = served_from(new)
+    for name, param in served.items():
+        assert torch.equal(param.view(torch.int16), expected[name].view(torch.int16)), name
+
+
+def test_parameters_a_backend_transformed_are_not_targets() -> None:
+    old = {name: t.to(torch.bfloat16) for name, t in checkpoint().items()}
+    shapes = {name: tuple(t.shape) for name, t in old.items()}
+    served = served_from(old)  # o_proj packed away, as on vLLM's CPU backend
+    with_o_proj = {**shapes, "model.layers.0.self_attn.o_proj.weight": (4, 4)}
+    assert inplace_targets(iter(served.items()), with_o_proj, torch.bfloat16, PACKED) is None
+    del served["model.layers.0.self_attn.o_proj.weight"]
+    assert inplace_targets(iter(served.items()), shapes, torch.bfloat16, PACKED) is not None
+    assert inplace_targets(iter(served.items()), shapes, torch.float16, PACKED) is None
+    sharded = {**served, "model.norm.weight": served["model.norm.weight"][:2]}
+    assert inplace_targets(iter(sharded.items()), shapes, torch.bfloat16, PACKED) is None

@@ -1,0 +1,212 @@
+"""Policy versions of a run (`<run>/policies/step_N/`): full or delta, their chains, retention.
+
+A version is *full* (a Hugging Face folder of the weights in the serving dtype) or a *delta*
+(`storage.deltas` files against the version before it). Its `_COMMITTED` meta says which:
+`kind`, a `uid` of its own and, for a delta, the `base` step and the `base_uid` it was encoded
+against. Readers follow the chain from a version back to a full one (or to a version they
+already hold, by uid), so a delta is never applied to another lineage's version of the same
+step number: after a trainer resumed from an older checkpoint the numbers repeat, the uids do
+not.
+
+Several trainer ranks write one version: each writes its own files and a `_PART-RRRRR.json`
+listing their digests; rank 0 waits for every part, then commits them all in one marker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from storage.commit import (
+    FileDigest,
+    HashingWriter,
+    NotCommittedError,
+    committed_steps,
+    delete_step,
+    read_commit,
+    read_verified,
+    write_hashed,
+)
+from storage.deltas import (
+    TensorDelta,
+    apply_delta,
+    encode_delta_file,
+    is_delta_file,
+    read_delta_file,
+)
+from storage.errors import ObjectNotFoundError, StepTimeoutError
+from storage.layout import RunLayout
+from storage.paths import join
+from storage.retention import steps_to_delete
+from storage.store import ObjectStore
+
+FULL = "full"
+DELTA = "delta"
+#: Longest chain a reader follows before it calls the run broken (writers bound it by
+#: `trainer.policy.full_every`, which is far below this).
+_MAX_CHAIN = 10_000
+#: How long rank 0 waits for the other ranks' parts of a version before it fails the stage.
+PART_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """What a reader needs to know of one committed version to place it in a chain."""
+
+    step: int
+    kind: str
+    uid: str | None
+    base: int | None = None
+    base_uid: str | None = None
+
+    @classmethod
+    def from_meta(cls, step: int, meta: Mapping[str, Any]) -> VersionInfo:
+        """Versions without `kind` (and resume checkpoints) are full."""
+        return cls(
+            step=step,
+            kind=str(meta.get("kind", FULL)),
+            uid=meta.get("uid"),
+            base=meta.get("base"),
+            base_uid=meta.get("base_uid"),
+        )
+
+
+def version_info(store: ObjectStore, step: int) -> VersionInfo:
+    """The kind, uid and base of committed version `step` (`NotCommittedError` if none)."""
+    return VersionInfo.from_meta(step, read_commit(store, RunLayout.policy_dir(step)).meta)
+
+
+def chain(store: ObjectStore, step: int, *, held_uid: str | None = None) -> list[VersionInfo]:
+    """The versions to apply, oldest first, to get version `step`.
+
+    It starts at a full version, or just after the version whose uid is `held_uid` (what the
+    reader already holds); empty when that is `step` itself. Raises `ValueError` when a delta's
+    base is gone or is another lineage's version of that step.
+    """
+    versions: list[VersionInfo] = []
+    current = version_info(store, step)
+    while current.uid is None or current.uid != held_uid:
+        versions.append(current)
+        if current.kind == FULL or (held_uid is not None and current.base_uid == held_uid):
+            break
+        if current.base is None or len(versions) > _MAX_CHAIN:
+            raise ValueError(f"policy version {current.step} is a delta without a usable base")
+        try:
+            base = version_info(store, current.base)
+        except NotCommittedError:
+            raise ValueError(
+                f"policy version {current.step} is a delta on version {current.base}, "
+                "which is not committed any more"
+            ) from None
+        if base.uid != current.base_uid:
+            raise ValueError(
+                f"policy version {current.step} is a delta on another version {current.base} "
+                f"(uid {current.base_uid}) than the one committed now ({base.uid})"
+            )
+        current = base
+    return versions[::-1]
+
+
+def prune_policies(
+    store: ObjectStore, *, keep_last: int | None, keep_every: int | None = None
+) -> list[int]:
+    """Delete old versions, but never one a kept version's chain needs; returns the deleted."""
+    steps = committed_steps(store, RunLayout.POLICIES)
+    doomed = steps_to_delete(steps, keep_last=keep_last, keep_every=keep_every)
+    needed: set[int] = set()
+    for step in sorted(set(steps) - set(doomed)):
+        needed.update(version.step for version in chain(store, step))
+    deleted = [step for step in doomed if step not in needed]
+    for step in deleted:
+        delete_step(store, RunLayout.policy_dir(step))
+    return deleted
+
+
+def write_delta_file(
+    store: ObjectStore, step_dir: str, name: str, deltas: Iterable[TensorDelta]
+) -> dict[str, FileDigest]:
+    """Write one delta file into `step_dir`, hashed as it streams; {name: digest}."""
+    pieces = encode_delta_file(deltas)
+
+    def fill(out: HashingWriter) -> None:
+        for piece in pieces:
+            out.write(piece)
+
+    return {name: write_hashed(store, join(step_dir, name), fill)}
+
+
+def part_marker(rank: int) -> str:
+    return f"_PART-{rank:05d}.json"
+
+
+def write_part(
+    store: ObjectStore, step_dir: str, rank: int, files: Mapping[str, FileDigest], *, uid: str
+) -> None:
+    """Record the files rank `rank` wrote into `step_dir` for version `uid`, after them."""
+    document = {"uid": uid, "files": {name: digest.to_json() for name, digest in files.items()}}
+    store.write_bytes(join(step_dir, part_marker(rank)), json.dumps(document).encode())
+
+
+def wait_for_parts(
+    store: ObjectStore,
+    step_dir: str,
+    ranks: Iterable[int],
+    *,
+    uid: str,
+    timeout_s: float = PART_TIMEOUT_S,
+) -> dict[str, FileDigest]:
+    """Every file the other `ranks` wrote into `step_dir` for version `uid`.
+
+    A part of another uid is a dead writer's (the step number was published before a resume)
+    and is waited past until this version's replaces it.
+    """
+    files: dict[str, FileDigest] = {}
+    deadline = time.monotonic() + timeout_s
+    for rank in ranks:
+        while (document := _read_part(store, join(step_dir, part_marker(rank)))) is None or (
+            document.get("uid") != uid
+        ):
+            if time.monotonic() > deadline:
+                raise StepTimeoutError(
+                    store.url(step_dir), f"rank {rank} did not write its part in {timeout_s:g}s"
+                )
+            time.sleep(0.02)
+        files.update(
+            {name: FileDigest.from_json(entry) for name, entry in document["files"].items()}
+        )
+    return files
+
+
+def _read_part(store: ObjectStore, path: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.read_bytes(path))
+    except ObjectNotFoundError:
+        return None
+
+
+def load_policy_weights(store: ObjectStore, step: int) -> dict[str, torch.Tensor]:
+    """Version `step`'s full weights, rebuilt from its chain and verified file by file.
+
+    For audits, tests and exports; servers keep their own copy and apply deltas to it.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for version in chain(store, step):
+        step_dir = RunLayout.policy_dir(version.step)
+        record = read_commit(store, step_dir)
+        for name, digest in sorted(record.files.items()):
+            if not name.endswith(".safetensors"):
+                continue
+            data = read_verified(store, join(step_dir, name), digest)
+            if is_delta_file(name):
+                apply_delta(tensors, read_delta_file(data, store.url(join(step_dir, name))))
+            else:
+                tensors.update(load_safetensors(data))
+        for dropped, kept in record.meta.get("aliases", {}).items():
+            tensors[dropped] = tensors[kept]
+    return tensors
