@@ -7,18 +7,21 @@ fp32 master by about 1e-6, and its bf16 cast changes only where that crosses a r
 - **Exact.** Entries are compared and stored as raw bit patterns (int16 for bf16 and fp16, int32
   for fp32), a value as the difference of the patterns modulo 2**bits, so base + delta is the new
   tensor bit for bit (NaN payloads and -0.0 included): no float arithmetic anywhere.
-- **Cheap on the GPU.** Encoding is a compare, a `nonzero`, a gather and two byte shuffles on the
-  device; only the changed entries cross to the host.
-- **Compact.** Positions are stored as gaps (the distance from the previous change, minus one),
-  values as zigzag-coded signed differences (a one-ulp change is 1 or 2). Each array is
-  byte-shuffled (every value's first byte, then every second byte, ...) and compressed with
-  zstd: gaps of sparse changes compress to about their entropy (6 bits at 4 % density) and
-  one-ulp values to 2.5 bits, about 1.1 bytes a changed entry in all.
+- **Cheap on the GPU.** A trainer rank lays the rows it owns of every tensor end to end in one
+  flat *stream* (in the serving dtype) and compares it with the previous version's stream: one
+  compare, one `nonzero`, a gather and two byte shuffles for the whole model, and only the
+  changed entries cross to the host, in one copy.
+- **Compact.** Positions (in the stream) are stored as gaps (the distance from the previous
+  change, minus one), values as zigzag-coded signed differences (a one-ulp change is 1 or 2).
+  Each array is byte-shuffled (every value's first byte, then every second byte, ...) and
+  compressed with zstd: gaps of sparse changes compress to about their entropy (6 bits at 4 %
+  density) and one-ulp values to 2.5 bits, about 1.1 bytes a changed entry in all.
 
-A delta file is safetensors: for every changed tensor `NAME:gaps` and `NAME:values` (uint8,
-compressed), and in its metadata the format, the codec and each tensor's shape, dtype and number
-of entries. Positions are flat indices into the whole tensor, so a trainer rank can encode the
-rows it owns into its own file, and a reader applies every file of a version in any order.
+A delta file is safetensors holding `gaps` and `values` (uint8, compressed) and, in its
+metadata, the format, the codec, the number of entries and the stream's `parts` in order: each
+tensor's name, shape, dtype, the flat index in the whole tensor where the part starts
+(`offset`) and its number of entries (`size`). A trainer rank writes its own file, and a reader
+applies every file of a version in any order.
 """
 
 from __future__ import annotations
@@ -63,13 +66,10 @@ def _int_view(dtype: torch.dtype) -> torch.dtype:
     return _BITS[dtype]
 
 
-def changed_entries(
-    old: torch.Tensor, new: torch.Tensor, offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def changed_entries(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where `new` differs from `old` bit-wise, and by how much; on their device.
 
-    old, new: the same shape and dtype (a part of a tensor: `offset` is the flat index of its
-    first entry in the whole tensor). Returns positions (k,) int64, ascending, and zigzag
+    old, new: (n,) streams of one dtype. Returns positions (k,) int64, ascending, and zigzag
     (k,) int64 in [0, 2**bits): the signed difference of the bit patterns, modulo 2**bits,
     zigzag-coded (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...).
     """
@@ -81,7 +81,7 @@ def changed_entries(
     half = 1 << (8 * new.element_size() - 1)
     signed = torch.remainder(b[positions].long() - a[positions].long() + half, 2 * half) - half
     zigzag = torch.where(signed >= 0, 2 * signed, -2 * signed - 1)
-    return positions + offset, zigzag
+    return positions, zigzag
 
 
 def _shuffle(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -97,74 +97,101 @@ def _unshuffle(data: np.ndarray, width: int) -> np.ndarray:
     return out.reshape(-1).view(np.int64)
 
 
-def pack_entries(positions: torch.Tensor, zigzag: torch.Tensor, itemsize: int) -> torch.Tensor:
+def pack_entries(
+    positions: torch.Tensor, zigzag: torch.Tensor, itemsize: int
+) -> torch.Tensor | None:
     """The bytes to compress, on the device: shuffled gaps (4 bytes each), shuffled values.
 
-    positions, zigzag: (k,) int64 from `changed_entries`; returns (k * (4 + itemsize),) uint8.
+    positions, zigzag: (k,) int64 from `changed_entries`; returns (k * (4 + itemsize),) uint8,
+    or None when a gap does not fit 4 bytes (2**32 unchanged entries in a row: write a full
+    version instead).
     """
     if sys.byteorder != "little":
         raise RuntimeError("delta encoding assumes a little-endian machine")
-    if positions.numel() and int(positions[-1]) >= 2 ** (8 * _GAP_BYTES):
-        raise ValueError("a tensor of 2**32 entries or more is too large for a delta")
     gaps = torch.diff(positions, prepend=positions.new_full((1,), -1)) - 1
+    if gaps.numel() and int(gaps.max()) >= 2 ** (8 * _GAP_BYTES):
+        return None
     return torch.cat([_shuffle(gaps, _GAP_BYTES), _shuffle(zigzag, itemsize)])
 
 
 @dataclass(frozen=True)
-class TensorDelta:
-    """One tensor's (or one part's) changed entries, compressed."""
+class Part:
+    """One tensor's rows in a stream: entries `offset` .. `offset + size` of the whole tensor."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A stream's changed entries, compressed: what one delta file holds."""
+
+    parts: tuple[Part, ...]
     count: int
     gaps: bytes
     values: bytes
 
 
-def compress_entries(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, packed: np.ndarray, count: int
-) -> TensorDelta:
-    """Compress `pack_entries`' bytes (on the host) into a `TensorDelta`."""
+def compress_entries(parts: Iterable[Part], packed: np.ndarray, count: int) -> Delta:
+    """Compress `pack_entries`' bytes (on the host) into a `Delta` over `parts`."""
     codec = pa.Codec(CODEC, compression_level=_LEVEL)
     split = count * _GAP_BYTES
-    return TensorDelta(
-        name=name,
-        shape=tuple(shape),
-        dtype=dtype,
+    return Delta(
+        parts=tuple(parts),
         count=count,
         gaps=codec.compress(packed[:split], asbytes=True),
         values=codec.compress(packed[split:], asbytes=True),
     )
 
 
-def tensor_delta(name: str, old: torch.Tensor, new: torch.Tensor) -> TensorDelta:
-    """The whole of `changed_entries` -> `compress_entries` for one tensor, wherever it lies."""
-    positions, zigzag = changed_entries(old, new)
-    packed = pack_entries(positions, zigzag, new.element_size()).cpu().numpy()
-    return compress_entries(name, tuple(new.shape), new.dtype, packed, positions.numel())
+def delta_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> Delta:
+    """The delta from whole tensors `old` to `new` (one dtype), wherever they lie."""
+    parts = tuple(
+        Part(name, tuple(tensor.shape), tensor.dtype, 0, tensor.numel())
+        for name, tensor in new.items()
+    )
+    stream_old = torch.cat([old[part.name].reshape(-1) for part in parts])
+    positions, zigzag = changed_entries(
+        stream_old, torch.cat([t.reshape(-1) for t in new.values()])
+    )
+    packed = pack_entries(positions, zigzag, stream_old.element_size())
+    if packed is None:
+        raise ValueError("a run of 2**32 unchanged entries is too long for a delta")
+    return compress_entries(parts, packed.cpu().numpy(), positions.numel())
 
 
-def encode_delta_file(deltas: Iterable[TensorDelta]) -> Pieces:
+def encode_delta_file(delta: Delta) -> Pieces:
     """A delta file's pieces (`storage.tensor_files`), compressed bytes not copied again."""
-    tensors: dict[str, torch.Tensor] = {}
-    described: dict[str, dict[str, object]] = {}
-    for delta in deltas:
-        if delta.name in described:
-            raise ValueError(f"tensor {delta.name} appears twice in one delta file")
-        described[delta.name] = {
-            "shape": list(delta.shape),
-            "dtype": str(delta.dtype).removeprefix("torch."),
-            "count": delta.count,
+    names = [part.name for part in delta.parts]
+    if len(set(names)) != len(names):
+        raise ValueError("a tensor appears twice in one delta stream")
+    described = [
+        {
+            "name": part.name,
+            "shape": list(part.shape),
+            "dtype": str(part.dtype).removeprefix("torch."),
+            "offset": part.offset,
+            "size": part.size,
         }
-        for part in ("gaps", "values"):
-            data = getattr(delta, part)
-            tensors[f"{delta.name}:{part}"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    metadata = {"format": FORMAT, "codec": CODEC, "tensors": json.dumps(described)}
+        for part in delta.parts
+    ]
+    tensors = {
+        key: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for key, data in (("gaps", delta.gaps), ("values", delta.values))
+    }
+    metadata = {
+        "format": FORMAT,
+        "codec": CODEC,
+        "count": str(delta.count),
+        "parts": json.dumps(described),
+    }
     return safetensors_pieces(tensors, metadata)
 
 
-def read_delta_file(data: bytes, what: str) -> list[TensorDelta]:
+def read_delta_file(data: bytes, what: str) -> Delta:
     """Parse a delta file; `ValueError` naming `what` when it is not one."""
     try:
         (length,) = struct.unpack("<Q", data[:8])
@@ -180,25 +207,30 @@ def read_delta_file(data: bytes, what: str) -> list[TensorDelta]:
                 raise ValueError(f"{key} lies outside the file")
             return bytes(body[start:end])
 
-        return [
-            TensorDelta(
-                name=name,
+        parts = tuple(
+            Part(
+                name=str(entry["name"]),
                 shape=tuple(int(size) for size in entry["shape"]),
                 dtype=getattr(torch, entry["dtype"]),
-                count=int(entry["count"]),
-                gaps=blob(f"{name}:gaps"),
-                values=blob(f"{name}:values"),
+                offset=int(entry["offset"]),
+                size=int(entry["size"]),
             )
-            for name, entry in json.loads(metadata["tensors"]).items()
-        ]
+            for entry in json.loads(metadata["parts"])
+        )
+        return Delta(parts, int(metadata["count"]), blob("gaps"), blob("values"))
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise ValueError(f"{what} is not a {FORMAT} file: {exc}") from exc
 
 
-def decode_entries(delta: TensorDelta) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, signed differences), both (count,) int64, of one delta; checked in range."""
+def decode_delta(delta: Delta) -> list[tuple[Part, np.ndarray, np.ndarray]]:
+    """Per part with changes: (part, positions in the whole tensor, signed differences), int64."""
+    if not delta.parts:
+        return []
+    dtypes = {part.dtype for part in delta.parts}
+    if len(dtypes) != 1:
+        raise ValueError(f"a delta stream holds one dtype, not {sorted(map(str, dtypes))}")
+    itemsize = torch.empty((), dtype=dtypes.pop()).element_size()
     codec = pa.Codec(CODEC)
-    itemsize = torch.empty((), dtype=delta.dtype).element_size()
 
     def planes(data: bytes, width: int) -> np.ndarray:
         raw = codec.decompress(data, delta.count * width, asbytes=True)
@@ -206,9 +238,20 @@ def decode_entries(delta: TensorDelta) -> tuple[np.ndarray, np.ndarray]:
 
     positions = np.cumsum(planes(delta.gaps, _GAP_BYTES) + 1) - 1
     zigzag = planes(delta.values, itemsize)
-    if delta.count and positions[-1] >= math.prod(delta.shape):
-        raise ValueError(f"{delta.name}: a position lies past the tensor's {list(delta.shape)}")
-    return positions, (zigzag >> 1) ^ -(zigzag & 1)
+    signed = (zigzag >> 1) ^ -(zigzag & 1)
+    starts = np.cumsum([0, *(part.size for part in delta.parts)])
+    if delta.count and positions[-1] >= starts[-1]:
+        raise ValueError(f"a position lies past the stream's {starts[-1]} entries")
+    bounds = np.searchsorted(positions, starts)
+    decoded = []
+    for index, part in enumerate(delta.parts):
+        if part.offset + part.size > math.prod(part.shape):
+            raise ValueError(f"{part.name}: part past the tensor's {list(part.shape)}")
+        low, high = bounds[index], bounds[index + 1]
+        if high > low:
+            local = positions[low:high] - starts[index] + part.offset
+            decoded.append((part, local, signed[low:high]))
+    return decoded
 
 
 def apply_entries(
@@ -217,7 +260,7 @@ def apply_entries(
     """Add `signed` to the bit patterns of contiguous `target` at flat `positions` + `offset`,
     modulo 2**bits: the one way a delta changes values, on any device.
 
-    positions, signed: (k,) int64 from `decode_entries`.
+    positions, signed: (k,) int64 from `decode_delta`.
     """
     if not target.is_contiguous():
         raise ValueError("a delta is applied to contiguous tensors only")
@@ -228,24 +271,25 @@ def apply_entries(
     flat[index] = (torch.remainder(shifted, 2 * half) - half).to(flat.dtype)
 
 
-def check_fits(delta: TensorDelta, target: torch.Tensor | None) -> None:
-    """Raise unless `target` is the tensor `delta` was encoded for (name, shape, dtype)."""
+def check_fits(part: Part, target: torch.Tensor | None) -> None:
+    """Raise unless `target` is the tensor `part` was encoded for (name, shape, dtype)."""
     if target is None:
-        raise ValueError(f"the delta changes {delta.name}, which the base does not have")
-    if tuple(target.shape) != delta.shape or target.dtype != delta.dtype:
+        raise ValueError(f"the delta changes {part.name}, which the base does not have")
+    if tuple(target.shape) != part.shape or target.dtype != part.dtype:
         raise ValueError(
-            f"{delta.name}: delta for {delta.dtype}{list(delta.shape)}, "
+            f"{part.name}: delta for {part.dtype}{list(part.shape)}, "
             f"base holds {target.dtype}{list(target.shape)}"
         )
 
 
-def apply_delta(tensors: Mapping[str, torch.Tensor], deltas: Iterable[TensorDelta]) -> int:
-    """Apply `deltas` in place to contiguous `tensors` (CPU); returns the entries changed."""
-    changed = 0
-    for delta in deltas:
-        target = tensors.get(delta.name)
-        check_fits(delta, target)
-        assert target is not None
-        apply_entries(target, *decode_entries(delta))
-        changed += delta.count
-    return changed
+def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Delta) -> int:
+    """Apply `delta` in place to contiguous `tensors`; returns the entries changed.
+
+    Every part is checked against its tensor before any is changed.
+    """
+    decoded = decode_delta(delta)
+    for part, _, _ in decoded:
+        check_fits(part, tensors.get(part.name))
+    for part, positions, signed in decoded:
+        apply_entries(tensors[part.name], positions, signed)
+    return delta.count

@@ -34,7 +34,7 @@ from storage.commit import (
     write_hashed,
 )
 from storage.deltas import (
-    TensorDelta,
+    Delta,
     apply_delta,
     encode_delta_file,
     is_delta_file,
@@ -129,10 +129,10 @@ def prune_policies(
 
 
 def write_delta_file(
-    store: ObjectStore, step_dir: str, name: str, deltas: Iterable[TensorDelta]
+    store: ObjectStore, step_dir: str, name: str, delta: Delta
 ) -> dict[str, FileDigest]:
     """Write one delta file into `step_dir`, hashed as it streams; {name: digest}."""
-    pieces = encode_delta_file(deltas)
+    pieces = encode_delta_file(delta)
 
     def fill(out: HashingWriter) -> None:
         for piece in pieces:

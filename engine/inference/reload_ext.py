@@ -42,10 +42,10 @@ import torch
 from safetensors import safe_open
 
 from storage.deltas import (
-    TensorDelta,
+    Part,
     apply_entries,
     check_fits,
-    decode_entries,
+    decode_delta,
     is_delta_file,
     read_delta_file,
 )
@@ -132,12 +132,16 @@ def keeps_mirror(meta: dict[str, object]) -> bool:
     return meta.get("uid") is not None and int(str(meta.get("full_every", 1))) > 1
 
 
-def read_delta_folder(folder: Path) -> list[TensorDelta]:
-    """Every tensor delta in a delta version's folder (one file per trainer rank)."""
+#: A version's changed entries, decoded: (part, positions in the whole tensor, differences).
+Decoded = list[tuple[Part, np.ndarray, np.ndarray]]
+
+
+def read_delta_folder(folder: Path) -> Decoded:
+    """Every changed entry of a delta version's folder (one file per trainer rank), decoded."""
     files = sorted(f for f in folder.glob("*.safetensors") if is_delta_file(f.name))
     if not files:
         raise FileNotFoundError(f"delta version {folder} has no delta files")
-    return [delta for f in files for delta in read_delta_file(f.read_bytes(), str(f))]
+    return [entry for f in files for entry in decode_delta(read_delta_file(f.read_bytes(), str(f)))]
 
 
 def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:
@@ -146,9 +150,11 @@ def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:
         raise ValueError("a chain of versions to rebuild starts with a full one")
     tensors = dict(iterate_weights(folders[0]))
     for folder in folders[1:]:
-        for delta in read_delta_folder(folder):
-            check_fits(delta, tensors.get(delta.name))
-            apply_entries(tensors[delta.name], *decode_entries(delta))
+        decoded = read_delta_folder(folder)
+        for part, _, _ in decoded:
+            check_fits(part, tensors.get(part.name))
+        for part, positions, signed in decoded:
+            apply_entries(tensors[part.name], positions, signed)
     return tensors
 
 
@@ -158,10 +164,6 @@ class Target(NamedTuple):
     param: torch.Tensor
     offset: int
     shape: tuple[int, ...]
-
-
-#: A delta and its decoded (positions, signed differences).
-Decoded = list[tuple[TensorDelta, tuple[np.ndarray, np.ndarray]]]
 
 
 def inplace_targets(
@@ -345,7 +347,7 @@ class WeightReloadExtension:
         decoded: dict[Path, Decoded] = {}
         for path, meta in zip(paths, metas, strict=True):
             if is_delta(meta):
-                decoded[path] = [(d, decode_entries(d)) for d in read_delta_folder(path)]
+                decoded[path] = read_delta_folder(path)
             else:
                 self._check_fits(path)
         held, self._primeflow_held = self._primeflow_held, None  # until this load succeeds
@@ -401,23 +403,23 @@ class WeightReloadExtension:
         """Apply decoded deltas in place on the served weights, or to the mirror (then True:
         the mirror must be loaded into the model). All are checked before any is applied."""
         targets, mirror = self._primeflow_targets, self._primeflow_mirror
-        for delta, _ in decoded:
+        for part, _, _ in decoded:
             if targets is None:
-                check_fits(delta, (mirror or {}).get(delta.name))
+                check_fits(part, (mirror or {}).get(part.name))
                 continue
-            target = targets.get(delta.name)
-            if target is None or (target.shape, target.param.dtype) != (delta.shape, delta.dtype):
+            target = targets.get(part.name)
+            if target is None or (target.shape, target.param.dtype) != (part.shape, part.dtype):
                 raise ValueError(
-                    f"the delta changes {delta.name} ({delta.dtype}{list(delta.shape)}), "
+                    f"the delta changes {part.name} ({part.dtype}{list(part.shape)}), "
                     "which this server does not serve as such"
                 )
-        for delta, (positions, signed) in decoded:
+        for part, positions, signed in decoded:
             if targets is not None:
-                target = targets[delta.name]
+                target = targets[part.name]
                 apply_entries(target.param.data, positions, signed, target.offset)
             else:
                 assert mirror is not None
-                apply_entries(mirror[delta.name], positions, signed)
+                apply_entries(mirror[part.name], positions, signed)
         return targets is None
 
     def _check_fits(self, path: Path) -> None:

@@ -4,14 +4,15 @@ A resume checkpoint (fp32 masters, AdamW moments, RNG) is ~12 bytes a parameter 
 every `checkpoint.interval` steps; a server needs only the weights in its serving dtype (2 bytes
 a parameter for bf16), and from one step to the next only a few percent of those change. After
 the optimizer step the trainer *snapshots* the policy: every rank casts the rows it owns to the
-serving dtype on the device and compares them, bit for bit, with the version before. Usually the
-version is published as a *delta* (`storage.deltas`: the changed entries, encoded on the device,
-only they copied to pinned host memory), each rank writing its own file; every
-`policy.full_every` versions, after a (re)start, or when a delta would not be smaller, it is
-*full* (the usual Hugging Face folder, gathered to rank 0 one parameter at a time). Background
-threads compress, hash, write and commit `policies/step_N` and apply retention while the next
-step trains. One publication is in flight at a time: the next snapshot first waits for it, and
-that wait is the step's `publish_wait_seconds`.
+serving dtype on the device, end to end in one stream (`OwnedStream`), and compares it bit for
+bit with the previous version's stream. Usually the version is published as a *delta*
+(`storage.deltas`: the changed entries, encoded on the device, only they copied to pinned host
+memory), each rank writing its own file; every `policy.full_every` versions, after a (re)start,
+or when a delta would not be smaller, it is *full* (the usual Hugging Face folder, gathered to
+rank 0 one parameter at a time). Background threads compress, hash, write and commit
+`policies/step_N` and apply retention while the next step trains. One publication is in
+flight at a time: the next snapshot first waits for it, and that wait is the step's
+`publish_wait_seconds`.
 
 The cast is the one the server would make (`Tensor.to`, round to nearest even), so the served
 weights are bit-identical to the trainer's, which `inference.verify_reloads` checks.
@@ -24,9 +25,9 @@ import math
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -45,6 +46,7 @@ from storage.commit import (
     delete_step,
 )
 from storage.deltas import (
+    Part,
     changed_entries,
     compress_entries,
     delta_file_name,
@@ -98,19 +100,6 @@ def snapshot_weights(
     return weights
 
 
-@dataclass(frozen=True)
-class OwnedPart:
-    """The rows of one tensor a rank owns, cast to the serving dtype, on its device.
-
-    tensor: (rows, *shape[1:]), a copy; offset: the flat index of its first entry in the whole
-    tensor of `shape`.
-    """
-
-    tensor: torch.Tensor
-    offset: int
-    shape: tuple[int, ...]
-
-
 def _owned(tensor: torch.Tensor, dist_info: DistInfo) -> tuple[torch.Tensor, int] | None:
     """This rank's rows of a (sharded) parameter and their flat offset; None if it owns none.
 
@@ -127,18 +116,36 @@ def _owned(tensor: torch.Tensor, dist_info: DistInfo) -> tuple[torch.Tensor, int
     return tensor.to_local(), offset[0] * math.prod(tensor.shape[1:])
 
 
-def owned_parts(
-    params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, dist_info: DistInfo
-) -> dict[str, OwnedPart]:
-    """This rank's rows of every tensor, cast on the device; no collective, no host copy."""
-    parts: dict[str, OwnedPart] = {}
-    for name, tensor in params:
-        owned = _owned(tensor, dist_info)
-        if owned is not None and owned[0].numel():
-            local, offset = owned
-            cast = local.detach().to(dtype, copy=True).contiguous()
-            parts[name] = OwnedPart(cast, offset, tuple(tensor.shape))
-    return parts
+class OwnedStream:
+    """The rows this rank owns of every tensor, end to end in one flat tensor (`storage.deltas`).
+
+    Laid out once from the sharded parameters (FSDP2 keeps them); `cast` fills a fresh stream
+    in the serving dtype on the device: one copy kernel a tensor, no collective, no host copy.
+    """
+
+    def __init__(
+        self, params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, dist_info: DistInfo
+    ) -> None:
+        self.dtype = dtype
+        self.device = dist_info.device
+        self.parts: list[Part] = []
+        self._locals: list[torch.Tensor] = []
+        for name, tensor in params:
+            owned = _owned(tensor, dist_info)
+            if owned is not None and owned[0].numel():
+                local, offset = owned
+                self.parts.append(Part(name, tuple(tensor.shape), dtype, offset, local.numel()))
+                self._locals.append(local)
+        self.numel = sum(part.size for part in self.parts)
+
+    def cast(self) -> torch.Tensor:
+        """(numel,) the owned rows now, in the serving dtype (round to nearest even)."""
+        stream = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        for chunk, local in zip(
+            stream.split([p.size for p in self.parts]), self._locals, strict=True
+        ):
+            chunk.copy_(local.detach().reshape(-1))
+        return stream
 
 
 def agree_sums(values: list[int], dist_info: DistInfo) -> list[int]:
@@ -151,36 +158,27 @@ def agree_sums(values: list[int], dist_info: DistInfo) -> list[int]:
 
 
 class _Staging:
-    """One host buffer for a delta's entries, pinned on CUDA, grown as needed, one copy.
+    """One host buffer for a delta's entries, pinned on CUDA, grown as needed.
 
     Allocating pinned memory is slow (a delta's size changes every step, which misses torch's
-    cache) and so are hundreds of small copies; one publication is in flight at a time, so the
-    next snapshot reuses the buffer once the previous write is done.
+    cache); one publication is in flight at a time, so the next snapshot reuses the buffer
+    once the previous write is done.
     """
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self._buffer = torch.empty(0, dtype=torch.uint8, pin_memory=pin)
 
-    def copy(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of `tensors` (views of the buffer, valid until the next `copy`)."""
-        if not tensors:
-            return {}
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
-        if self._buffer.numel() < flat.numel():
-            self._buffer = torch.empty(
-                int(flat.numel() * 1.25), dtype=torch.uint8, pin_memory=self.pin
-            )
-        host = self._buffer[: flat.numel()]
-        host.copy_(flat, non_blocking=self.pin)
+    def copy(self, data: torch.Tensor) -> np.ndarray:
+        """A host copy of (n,) uint8 `data` (a view of the buffer, valid until the next)."""
+        if self._buffer.numel() < data.numel():
+            size = int(data.numel() * 1.25)
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        host = self._buffer[: data.numel()]
+        host.copy_(data, non_blocking=self.pin)
         if self.pin:
-            torch.cuda.synchronize(flat.device)
-        views, start = {}, 0
-        for name, tensor in tensors.items():
-            size = tensor.numel() * tensor.element_size()
-            views[name] = host[start : start + size].view(tensor.dtype).view(tensor.shape)
-            start += size
-        return views
+            torch.cuda.synchronize(data.device)
+        return host.numpy()
 
 
 class PolicyPublisher:
@@ -212,15 +210,18 @@ class PolicyPublisher:
         self.lineage = lineage
         self.dtype = serving_dtype(policy.config)
         self._writes = BackgroundWrite("a policy version")
-        # The sharded parameters themselves (FSDP2 keeps them), named once: naming them is
-        # slower than the snapshot itself.
-        self._params = [
-            (name, tensor)
-            for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
-            if name != tied_head
-        ]
+        # Laid out once: naming the parameters costs more than the snapshot itself.
+        self._stream = OwnedStream(
+            [
+                (name, tensor)
+                for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
+                if name != tied_head
+            ],
+            self.dtype,
+            dist_info,
+        )
         self._staging = _Staging(dist_info.device.type == "cuda")
-        self._previous: dict[str, OwnedPart] | None = None
+        self._previous: torch.Tensor | None = None
         self._previous_version: tuple[int, str] | None = None
         self._since_full = 0
 
@@ -234,28 +235,38 @@ class PolicyPublisher:
         started = time.perf_counter()
         self.flush()
         waited = time.perf_counter() - started
-        current = owned_parts(self._params, self.dtype, self.dist_info)
-        entries = self._changes(current) if self._previous is not None else None
-        entries_local = sum(p.numel() for p, _ in (entries or {}).values())
-        total_local = sum(part.tensor.numel() for part in current.values())
+        current = self._stream.cast()
+        entries, local_count = None, 0
+        if self._previous is not None:
+            positions, zigzag = changed_entries(self._previous, current)
+            entries = pack_entries(positions, zigzag, current.element_size())
+            local_count = positions.numel()
+            del positions, zigzag
+        itemsize = current.element_size()
         uid_bits = (
             [secrets.randbits(62), secrets.randbits(62)] if self.dist_info.is_main else [0, 0]
         )
-        raw, full, changed, total, *uid_bits = agree_sums(
+        # Summed over the ranks: a full version unless every rank's delta is encodable and
+        # all of them together are smaller than the weights.
+        unencodable, raw, full, changed, total, *uid_bits = agree_sums(
             [
-                sum(p.numel() * (4 + p.element_size()) for p, _ in (entries or {}).values()),
-                sum(part.tensor.numel() * part.tensor.element_size() for part in current.values()),
-                total_local if entries is None else entries_local,
-                total_local,
+                int(entries is None),
+                0 if entries is None else entries.numel(),
+                current.numel() * itemsize,
+                current.numel() if entries is None else local_count,
+                current.numel(),
                 *uid_bits,
             ],
             self.dist_info,
         )
         uid = f"{uid_bits[0]:016x}{uid_bits[1]:016x}"
-        as_delta = entries is not None and self._delta_due() and raw < full
+        as_delta = not unencodable and self._delta_due() and raw < full
         if as_delta:
-            assert entries is not None
-            job = self._delta_job(step, uid, current, entries)
+            assert entries is not None and self._previous_version is not None
+            packed = self._staging.copy(entries)
+            job = functools.partial(
+                self._write_delta, step, uid, self._previous_version, packed, local_count
+            )
             self._since_full += 1
         else:
             job = self._full_job(step, uid)
@@ -273,36 +284,9 @@ class PolicyPublisher:
         """The same answer on every rank: they share the schedule."""
         return self._since_full + 1 < self.config.full_every
 
-    def _changes(
-        self, current: dict[str, OwnedPart]
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        assert self._previous is not None
-        return {
-            name: changed_entries(self._previous[name].tensor, part.tensor, part.offset)
-            for name, part in current.items()
-        }
-
     def _full_job(self, step: int, uid: str) -> functools.partial[None]:
         weights = snapshot_weights(self.policy, self.dtype, self.dist_info, self.tied_head)
         return functools.partial(self._write_full, step, uid, weights)
-
-    def _delta_job(
-        self,
-        step: int,
-        uid: str,
-        current: dict[str, OwnedPart],
-        entries: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    ) -> functools.partial[None]:
-        names = [name for name, (positions, _) in entries.items() if positions.numel()]
-        hosts = self._staging.copy(
-            {
-                name: pack_entries(*entries[name], current[name].tensor.element_size())
-                for name in names
-            }
-        )
-        packed = [(name, current[name], hosts[name], entries[name][0].numel()) for name in names]
-        assert self._previous_version is not None
-        return functools.partial(self._write_delta, step, uid, self._previous_version, packed)
 
     def flush(self) -> None:
         """Wait for the publication in flight; raise its error, if it failed."""
@@ -339,17 +323,15 @@ class PolicyPublisher:
         step: int,
         uid: str,
         base: tuple[int, str],
-        packed: list[tuple[str, OwnedPart, torch.Tensor, int]],
+        packed: np.ndarray,
+        count: int,
     ) -> None:
         step_dir = RunLayout.policy_dir(step)
         rank, world = self.dist_info.rank, self.dist_info.world_size
         if world == 1:
             begin_step(self.store, step_dir)
-        deltas = [
-            compress_entries(name, part.shape, part.tensor.dtype, host.numpy(), count)
-            for name, part, host, count in packed
-        ]
-        files = write_delta_file(self.store, step_dir, delta_file_name(rank, world), deltas)
+        delta = compress_entries(self._stream.parts, packed, count)
+        files = write_delta_file(self.store, step_dir, delta_file_name(rank, world), delta)
         if not self.dist_info.is_main:
             write_part(self.store, step_dir, rank, files, uid=uid)
             return

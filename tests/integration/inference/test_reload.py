@@ -25,7 +25,7 @@ from engine.inference.client import InferenceClient, Sample
 from engine.inference.pool import InferencePool, ReloadError
 from storage.checkpoints import write_checkpoint
 from storage.commit import commit_step, delete_step
-from storage.deltas import tensor_delta
+from storage.deltas import delta_between
 from storage.layout import RunLayout
 from storage.policies import write_delta_file
 from storage.store import ObjectStore
@@ -162,8 +162,8 @@ def publish_full(store: ObjectStore, step: int, folder, uid: str) -> dict:
 def publish_delta(store: ObjectStore, step: int, old: dict, new: dict, uid: str, base) -> None:
     """A delta version as the trainer writes one: `new` against `old`, named by its base."""
     step_dir = RunLayout.policy_dir(step)
-    deltas = [tensor_delta(name, old[name], new[name]) for name in new]
-    files = write_delta_file(store, step_dir, "delta-00000-of-00001.safetensors", deltas)
+    delta = delta_between(old, new)
+    files = write_delta_file(store, step_dir, "delta-00000-of-00001.safetensors", delta)
     meta = {"kind": "delta", "uid": uid, "full_every": 10, "base": base[0], "base_uid": base[1]}
     commit_step(store, step_dir, files, step=step, meta=meta)
 

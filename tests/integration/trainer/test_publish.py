@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.models import write_tiny_model
 from engine.run import run_store as open_run_store
+from engine.trainer.pool import run_trainer
 from engine.trainer.worker import run_stage
 from storage.checkpoints import fetch_checkpoint
 from storage.commit import committed_steps, read_commit
@@ -121,6 +122,35 @@ def test_deltas_rebuild_every_version_exactly_and_retention_keeps_their_chains(
     assert all(0 < line["policy_changed_fraction"] < 0.5 for line in lines)
     full_bytes = sum(d.size for d in read_commit(store, RunLayout.policy_dir(3)).files.values())
     assert delta.files["delta-00000-of-00001.safetensors"].size < full_bytes / 4
+
+
+def test_two_ranks_write_one_delta_file_each_and_rebuild_exactly(
+    tmp_path: Path, bf16_model_dir: Path
+) -> None:
+    """Each gloo rank encodes the rows it owns into its own file; rank 0 commits both."""
+    config = make_config(
+        tmp_path,
+        bf16_model_dir,
+        "two-ranks",
+        max_steps=3,
+        trainer={
+            "optim": {"lr": 1e-5},
+            "checkpoint": {"interval": 1, "keep_last": None},
+            "policy": {"keep_last": None, "full_every": 10},
+            "parallel": {"nproc_per_node": 2, "backend": "gloo"},
+        },
+    )
+    write_steps(config, range(1, 4))
+    assert run_trainer(config, "rl") == 0
+    store = open_run_store(config)
+    for step in (1, 2, 3):
+        record = read_commit(store, RunLayout.policy_dir(step))
+        assert record.meta["kind"] == "delta"
+        assert sorted(record.files) == [
+            "delta-00000-of-00002.safetensors",
+            "delta-00001-of-00002.safetensors",
+        ]
+    assert_versions_are_the_masters_cast(config, range(1, 4))
 
 
 def test_a_resumed_trainer_replaces_the_versions_past_its_checkpoint(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.inference.reload_ext import checkpoint_names, compare_served, inplace_targets
-from storage.deltas import apply_entries, decode_entries, tensor_delta
+from storage.deltas import apply_entries, decode_delta, delta_between
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -95,10 +95,9 @@ def test_deltas_applied_in_place_on_fused_and_padded_parameters() -> None:
         name: (t.float() + 0.1 * torch.randn(t.shape, generator=generator)).to(torch.bfloat16)
         for name, t in old.items()
     }
-    for name in old:
-        delta = tensor_delta(name, old[name], new[name])
-        target = targets[name]
-        apply_entries(target.param, *decode_entries(delta), target.offset)
+    for part, positions, signed in decode_delta(delta_between(old, new)):
+        target = targets[part.name]
+        apply_entries(target.param, positions, signed, target.offset)
     expected = served_from(new)
     for name, param in served.items():
         assert torch.equal(param.view(torch.int16), expected[name].view(torch.int16)), name

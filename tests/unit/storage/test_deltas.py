@@ -6,20 +6,22 @@ import pytest
 import torch
 
 from storage.deltas import (
+    Part,
     apply_delta,
     changed_entries,
     compress_entries,
+    decode_delta,
+    delta_between,
     encode_delta_file,
     pack_entries,
     read_delta_file,
-    tensor_delta,
 )
 
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-def file_bytes(deltas) -> bytes:
-    return b"".join(bytes(piece) for piece in encode_delta_file(deltas))
+def file_bytes(delta) -> bytes:
+    return b"".join(bytes(piece) for piece in encode_delta_file(delta))
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,33 +32,39 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 def test_base_plus_delta_is_the_new_tensor_bit_for_bit(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(0)
     masters = torch.randn(300, 70, generator=generator) * 0.02
-    old = masters.to(dtype)
-    new = (masters + 1e-4 * torch.randn(masters.shape, generator=generator)).to(dtype)
+    old = {"w": masters.to(dtype), "b": torch.zeros(70, dtype=dtype)}
+    new = {
+        "w": (masters + 1e-4 * torch.randn(masters.shape, generator=generator)).to(dtype),
+        "b": torch.zeros(70, dtype=dtype),  # unchanged: no entries, still a part
+    }
     # The patterns float arithmetic would get wrong: NaN payloads, signed zeros, infinities,
     # and the largest jumps (the most negative to the most positive pattern and back).
     info = torch.finfo(dtype)
-    old.view(-1)[:6] = torch.tensor([0.0, -0.0, 1.0, info.min, info.max, float("inf")])
-    new.view(-1)[:6] = torch.tensor([-0.0, 0.0, float("nan"), info.max, info.min, -float("inf")])
-    delta = tensor_delta("w", old, new)
-    (back,) = read_delta_file(file_bytes([delta]), "test")
-    rebuilt = old.clone()
-    assert apply_delta({"w": rebuilt}, [back]) == int((bits(old) != bits(new)).sum())
-    assert torch.equal(bits(rebuilt), bits(new))
+    old["w"].view(-1)[:6] = torch.tensor([0.0, -0.0, 1.0, info.min, info.max, float("inf")])
+    new["w"].view(-1)[:6] = torch.tensor([-0.0, 0.0, float("nan"), info.max, info.min, -1e30])
+    delta = read_delta_file(file_bytes(delta_between(old, new)), "test")
+    rebuilt = {name: tensor.clone() for name, tensor in old.items()}
+    assert apply_delta(rebuilt, delta) == int((bits(old["w"]) != bits(new["w"])).sum())
+    for name in new:
+        assert torch.equal(bits(rebuilt[name]), bits(new[name])), name
+    assert [part.name for part, _, _ in decode_delta(delta)] == ["w"]
 
 
-def test_parts_of_one_tensor_apply_in_any_order() -> None:
+def test_ranks_streams_of_one_tensor_apply_in_any_order() -> None:
     """Each trainer rank encodes the rows it owns, with their flat offset in the whole tensor."""
     generator = torch.Generator().manual_seed(1)
     old = torch.randn(10, 64, generator=generator).bfloat16()
     new = (old.float() + 0.05 * torch.randn(10, 64, generator=generator)).bfloat16()
-    parts = []
+    files = []
     for start, end in ((8, 10), (0, 4), (4, 8)):
-        positions, zigzag = changed_entries(old[start:end], new[start:end], start * 64)
-        packed = pack_entries(positions, zigzag, 2).numpy()
-        parts.append(compress_entries("w", (10, 64), torch.bfloat16, packed, positions.numel()))
+        rows = slice(start, end)
+        positions, zigzag = changed_entries(old[rows].reshape(-1), new[rows].reshape(-1))
+        packed = pack_entries(positions, zigzag, 2)
+        part = Part("w", (10, 64), torch.bfloat16, start * 64, (end - start) * 64)
+        files.append(file_bytes(compress_entries([part], packed.numpy(), positions.numel())))
     rebuilt = old.clone()
-    for part in parts:
-        apply_delta({"w": rebuilt}, read_delta_file(file_bytes([part]), "part"))
+    for data in files:
+        apply_delta({"w": rebuilt}, read_delta_file(data, "part"))
     assert torch.equal(bits(rebuilt), bits(new))
 
 
@@ -67,21 +75,22 @@ def test_one_ulp_changes_cost_about_a_byte_each() -> None:
     masters = torch.randn(2_000_000, generator=generator) * 0.02
     old = masters.bfloat16()
     new = (masters + 1e-6 * torch.randn(masters.shape, generator=generator).sign()).bfloat16()
-    delta = tensor_delta("w", old, new)
+    delta = delta_between({"w": old}, {"w": new})
     assert 0.01 < delta.count / old.numel() < 0.1
-    encoded = len(file_bytes([delta]))
+    encoded = len(file_bytes(delta))
     assert encoded / delta.count < 1.3  # 6 bytes an entry before compression
     assert encoded < old.numel() * 2 / 10
 
 
 def test_a_delta_for_another_tensor_is_refused() -> None:
     old = torch.zeros(4, 4, dtype=torch.bfloat16)
-    delta = tensor_delta("w", old, torch.ones(4, 4, dtype=torch.bfloat16))
+    delta = delta_between({"w": old}, {"w": torch.ones(4, 4, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="does not have"):
-        apply_delta({"v": old.clone()}, [delta])
+        apply_delta({"v": old.clone()}, delta)
     with pytest.raises(ValueError, match="base holds"):
-        apply_delta({"w": torch.zeros(2, 8, dtype=torch.bfloat16)}, [delta])
+        apply_delta({"w": torch.zeros(2, 8, dtype=torch.bfloat16)}, delta)
     with pytest.raises(ValueError, match="not a primeflow-delta/1 file"):
         read_delta_file(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14, "junk.safetensors")
     with pytest.raises(ValueError, match="deltas support"):
         changed_entries(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+    assert torch.equal(old, torch.zeros(4, 4, dtype=torch.bfloat16))  # nothing half-applied

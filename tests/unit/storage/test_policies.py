@@ -7,7 +7,7 @@ import torch
 
 from storage.checkpoints import write_checkpoint
 from storage.commit import commit_step, committed_steps, delete_step
-from storage.deltas import tensor_delta
+from storage.deltas import delta_between
 from storage.errors import StepTimeoutError
 from storage.layout import RunLayout
 from storage.policies import (
@@ -38,7 +38,7 @@ def full(store: ObjectStore, step: int, tensors: dict[str, torch.Tensor]) -> Non
 def delta(store: ObjectStore, step: int, old, new, *, base_uid: str | None = None) -> None:
     step_dir = RunLayout.policy_dir(step)
     files = write_delta_file(
-        store, step_dir, "delta-00000-of-00001.safetensors", [tensor_delta("w", old["w"], new["w"])]
+        store, step_dir, "delta-00000-of-00001.safetensors", delta_between(old, new)
     )
     meta = {
         "kind": "delta",
@@ -99,7 +99,9 @@ def test_retention_keeps_a_kept_delta_whole(run: ObjectStore) -> None:
 def test_rank_zero_commits_only_the_parts_of_its_own_version(memory_store: ObjectStore) -> None:
     """A part left by a dead writer of the same step number (another uid) is not taken."""
     step_dir = RunLayout.policy_dir(7)
-    (digest,) = write_delta_file(memory_store, step_dir, "x", []).values()
+    (digest,) = write_delta_file(
+        memory_store, step_dir, "x", delta_between(weights(0), weights(0))
+    ).values()
     write_part(memory_store, step_dir, 1, {"old": digest}, uid="dead")
     with pytest.raises(StepTimeoutError, match="rank 1"):
         wait_for_parts(memory_store, step_dir, [1], uid="live", timeout_s=0.1)
