@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from engine.models import write_tiny_model
+from engine.run import local_run_dir
 from engine.run import run_store as open_run_store
 from engine.trainer.pool import run_trainer
 from engine.trainer.worker import run_stage
@@ -171,10 +172,21 @@ def test_a_resumed_trainer_replaces_the_versions_past_its_checkpoint(
     assert committed_steps(store, RunLayout.POLICIES) == [0, 1, 2, 3]
     assert read_commit(store, RunLayout.policy_dir(3)).meta["lineage"] == 0
 
+    # As if it had also died writing version 4: half a file and a part of its own uid, no marker.
+    debris = local_run_dir(broken) / RunLayout.policy_dir(4)
+    debris.mkdir(parents=True)
+    (debris / "delta-00000-of-00001.safetensors").write_bytes(b"\x00" * 100)
+    (debris / "_PART-00001.json").write_text('{"uid": "dead", "files": {}}')
+    assert committed_steps(store, RunLayout.POLICIES) == [0, 1, 2, 3]
+
     write_steps(broken, range(4, 5))
     resumed = make_config(tmp_path, bf16_model_dir, "resumed", max_steps=4, trainer=trainer)
     run_stage(resumed, "rl")
     assert committed_steps(store, RunLayout.POLICIES) == [0, 1, 2, 3, 4]
+    # The half-written version 4 was cleared before the new lineage wrote its own.
+    assert sorted(p.name for p in debris.iterdir()) == sorted(
+        [*read_commit(store, RunLayout.policy_dir(4)).files, "_COMMITTED"]
+    )
     # Version 3 was written again by the resumed lineage (from checkpoint 2), and every step was
     # trained once in the final lineage: the versions equal the uninterrupted run's, bit for bit.
     assert read_commit(store, RunLayout.policy_dir(3)).meta["lineage"] == 2
