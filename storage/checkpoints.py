@@ -41,7 +41,14 @@ from storage.layout import RunLayout
 from storage.paths import clean_path, join
 from storage.retention import prune_steps
 from storage.store import ObjectStore
-from storage.tensor_files import Pieces, encode_tensor_files, load_tensor_files, prepare_tensors
+from storage.tensor_files import (
+    Pieces,
+    encode_tensor_files,
+    index_name,
+    load_tensor_files,
+    prepare_tensors,
+    safetensors_pieces,
+)
 
 CONFIG = "config.json"
 WEIGHTS_STEM = "model"
@@ -69,6 +76,15 @@ def _json_bytes(document: Mapping[str, Any], what: str) -> bytes:
         raise ValueError(f"{what} must be JSON-serialisable: {exc}") from exc
 
 
+def _extra_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """Passed-through files, refused where they would replace one the writer produces."""
+    extra = dict(files or {})
+    for name in extra:
+        if _is_reserved(clean_path(name, allow_empty=False)):
+            raise ValueError(f"file {name!r} would replace one the checkpoint writer produces")
+    return extra
+
+
 def write_checkpoint(
     store: ObjectStore,
     step: int,
@@ -92,10 +108,7 @@ def write_checkpoint(
     """
     if "model_type" not in config:
         raise ValueError("config must be a Hugging Face config dict with 'model_type'")
-    extra = dict(files or {})
-    for name in extra:
-        if _is_reserved(clean_path(name, allow_empty=False)):
-            raise ValueError(f"file {name!r} would replace one the checkpoint writer produces")
+    extra = _extra_files(files)
     tensors, aliases = prepare_tensors(
         weights, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))
     )
@@ -135,6 +148,61 @@ def write_checkpoint(
     return commit_step(
         store, step_dir, digests, step=step, meta={**(meta or {}), "aliases": aliases}
     )
+
+
+def weight_shard_name(number: int, total: int) -> str:
+    """The Hugging Face name of weights file `number` (from 1) of `total`."""
+    return f"{WEIGHTS_STEM}-{number:05d}-of-{total:05d}.safetensors"
+
+
+def write_weight_shard(
+    store: ObjectStore, step_dir: str, name: str, weights: Mapping[str, torch.Tensor]
+) -> dict[str, FileDigest]:
+    """One weights file of a checkpoint several writers fill (`commit_sharded_checkpoint`)."""
+    tensors, _ = prepare_tensors(weights, tie_word_embeddings=False)
+    pieces = safetensors_pieces(tensors, {"format": "pt"})
+
+    def fill(out: HashingWriter) -> None:
+        for piece in pieces:
+            out.write(piece)
+
+    return {name: write_hashed(store, join(step_dir, name), fill)}
+
+
+def commit_sharded_checkpoint(
+    store: ObjectStore,
+    step: int,
+    *,
+    shards: Mapping[str, FileDigest],
+    weight_map: Mapping[str, str],
+    total_size: int,
+    config: Mapping[str, Any],
+    files: Mapping[str, bytes] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    parent: str = RunLayout.CHECKPOINTS,
+) -> CommitRecord:
+    """Add `config.json`, the index and `files` to weights files others wrote, and commit.
+
+    `weight_map` maps each tensor to its file, as `model.safetensors.index.json` does, so the
+    folder is the Hugging Face sharded layout that `transformers` and vLLM load as it is.
+    """
+    if "model_type" not in config:
+        raise ValueError("config must be a Hugging Face config dict with 'model_type'")
+    missing = sorted(set(weight_map.values()) - set(shards))
+    if missing:
+        raise ValueError(f"the index names files nobody wrote: {missing}")
+    step_dir = join(parent, RunLayout.step_name(step))
+    digests = dict(shards)
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    extra = {
+        **_extra_files(files),
+        CONFIG: _json_bytes(config, "config"),
+        index_name(WEIGHTS_STEM): _json_bytes(index, "index"),
+    }
+    for name, data in extra.items():
+        digests[name] = digest_bytes(data)
+        store.write_bytes(join(step_dir, name), data)
+    return commit_step(store, step_dir, digests, step=step, meta={**(meta or {}), "aliases": {}})
 
 
 def _is_trainer_file(name: str) -> bool:

@@ -8,8 +8,10 @@ serving dtype on the device, end to end in one stream (`OwnedStream`), and compa
 bit with the previous version's stream. Usually the version is published as a *delta*
 (`storage.deltas`: the changed entries, encoded on the device, only they copied to pinned host
 memory), each rank writing its own file; every `policy.full_every` versions, after a (re)start,
-or when a delta would not be smaller, it is *full* (the usual Hugging Face folder, gathered to
-rank 0 one parameter at a time). Background threads compress, hash, write and commit
+or when a delta would not be smaller, it is *full*: the usual Hugging Face folder, every
+parameter gathered on the device one at a time and copied to the host of the one rank that
+writes it (`assign_owners`: each rank about 1/world of the bytes, a sharded folder with an index
+when there are several). Background threads compress, hash, write and commit
 `policies/step_N` and apply retention while the next step trains. One publication is in
 flight at a time: the next snapshot first waits for it, and that wait is the step's
 `publish_wait_seconds`.
@@ -38,7 +40,12 @@ from engine.config.trainer import PolicyConfig
 from engine.trainer.background import BackgroundWrite
 from engine.trainer.distributed import DistInfo
 from engine.trainer.model import PolicyModel
-from storage.checkpoints import write_checkpoint
+from storage.checkpoints import (
+    commit_sharded_checkpoint,
+    weight_shard_name,
+    write_checkpoint,
+    write_weight_shard,
+)
 from storage.commit import (
     begin_step,
     commit_step,
@@ -77,9 +84,14 @@ def serving_dtype(config: Any) -> torch.dtype:
 
 
 def snapshot_weights(
-    policy: PolicyModel, dtype: torch.dtype, dist_info: DistInfo, skip: str | None
+    policy: PolicyModel,
+    dtype: torch.dtype,
+    dist_info: DistInfo,
+    skip: str | None,
+    owners: Mapping[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Full tensors in `dtype` on rank 0's host (empty elsewhere); collective.
+    """Full tensors in `dtype` on the host of the rank that owns each (`owners`; rank 0 when
+    None), none elsewhere; collective.
 
     One parameter is gathered at a time, so no rank ever holds a second copy of the whole model
     on the device. Host copies go to pinned memory on CUDA, so the copy does not stall on paging.
@@ -90,7 +102,7 @@ def snapshot_weights(
         if name == skip:
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if dist_info.is_main:
+        if (owners or {}).get(name, 0) == dist_info.rank:
             cast = full.detach().to(dtype)
             host = torch.empty(cast.shape, dtype=dtype, pin_memory=pin)
             host.copy_(cast, non_blocking=pin)
@@ -98,6 +110,21 @@ def snapshot_weights(
     if pin:
         torch.cuda.synchronize(dist_info.device)
     return weights
+
+
+def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
+    """Which rank writes each whole tensor of a full version: the largest first, each to the
+    rank with the fewest entries so far, so every rank writes about 1/world of the bytes.
+
+    The same on every rank (it depends on the sizes alone).
+    """
+    load = [0] * world
+    owners: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return owners
 
 
 def _owned(tensor: torch.Tensor, dist_info: DistInfo) -> tuple[torch.Tensor, int] | None:
@@ -211,16 +238,15 @@ class PolicyPublisher:
         self.dtype = serving_dtype(policy.config)
         self._writes = BackgroundWrite("a policy version")
         # Laid out once: naming the parameters costs more than the snapshot itself.
-        self._stream = OwnedStream(
-            [
-                (name, tensor)
-                for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
-                if name != tied_head
-            ],
-            self.dtype,
-            dist_info,
-        )
+        params = [
+            (name, tensor)
+            for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
+            if name != tied_head
+        ]
+        self._stream = OwnedStream(params, self.dtype, dist_info)
         self._staging = _Staging(dist_info.device.type == "cuda")
+        self._sizes = {name: tensor.numel() for name, tensor in params}
+        self._owners = assign_owners(self._sizes, dist_info.world_size)
         self._previous: torch.Tensor | None = None
         self._previous_version: tuple[int, str] | None = None
         self._since_full = 0
@@ -285,8 +311,13 @@ class PolicyPublisher:
         return self._since_full + 1 < self.config.full_every
 
     def _full_job(self, step: int, uid: str) -> functools.partial[None]:
-        weights = snapshot_weights(self.policy, self.dtype, self.dist_info, self.tied_head)
-        return functools.partial(self._write_full, step, uid, weights)
+        if self.dist_info.world_size == 1:
+            weights = snapshot_weights(self.policy, self.dtype, self.dist_info, self.tied_head)
+            return functools.partial(self._write_full, step, uid, weights)
+        weights = snapshot_weights(
+            self.policy, self.dtype, self.dist_info, self.tied_head, self._owners
+        )
+        return functools.partial(self._write_full_shard, step, uid, weights)
 
     def flush(self) -> None:
         """Wait for the publication in flight; raise its error, if it failed."""
@@ -315,6 +346,31 @@ class PolicyPublisher:
             files=self.files,
             parent=RunLayout.POLICIES,
             meta={**self._meta(uid), "kind": FULL},
+        )
+        self._prune()
+
+    def _write_full_shard(self, step: int, uid: str, weights: dict[str, torch.Tensor]) -> None:
+        """Several ranks: each writes the whole tensors it owns; rank 0 the index and marker."""
+        step_dir = RunLayout.policy_dir(step)
+        rank, world = self.dist_info.rank, self.dist_info.world_size
+        files = {}
+        if weights:
+            name = weight_shard_name(rank + 1, world)
+            files = write_weight_shard(self.store, step_dir, name, weights)
+        if not self.dist_info.is_main:
+            write_part(self.store, step_dir, rank, files, uid=uid)
+            return
+        files.update(wait_for_parts(self.store, step_dir, range(1, world), uid=uid))
+        commit_sharded_checkpoint(
+            self.store,
+            step,
+            shards=files,
+            weight_map={n: weight_shard_name(r + 1, world) for n, r in self._owners.items()},
+            total_size=sum(self._sizes.values()) * self.dtype.itemsize,
+            config=self.policy.config.to_dict(),
+            files=self.files,
+            meta={**self._meta(uid), "kind": FULL},
+            parent=RunLayout.POLICIES,
         )
         self._prune()
 

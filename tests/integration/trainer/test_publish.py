@@ -128,7 +128,8 @@ def test_deltas_rebuild_every_version_exactly_and_retention_keeps_their_chains(
 def test_two_ranks_write_one_delta_file_each_and_rebuild_exactly(
     tmp_path: Path, bf16_model_dir: Path
 ) -> None:
-    """Each gloo rank encodes the rows it owns into its own file; rank 0 commits both."""
+    """Each gloo rank encodes the rows it owns into its own delta file, and writes the whole
+    tensors it owns of a full version (a Hugging Face sharded folder); rank 0 commits both."""
     config = make_config(
         tmp_path,
         bf16_model_dir,
@@ -152,6 +153,19 @@ def test_two_ranks_write_one_delta_file_each_and_rebuild_exactly(
             "delta-00001-of-00002.safetensors",
         ]
     assert_versions_are_the_masters_cast(config, range(1, 4))
+    full = read_commit(store, RunLayout.policy_dir(0))
+    assert "config.json" in full.files and "tokenizer.json" in full.files
+    assert sorted(n for n in full.files if n.startswith("model")) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = fetch_checkpoint(store, 0, Path(tmp) / "p", parent=RunLayout.POLICIES)
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+        loaded = model.state_dict()
+    for name, tensor in load_policy_weights(store, 0).items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def test_a_resumed_trainer_replaces_the_versions_past_its_checkpoint(
