@@ -120,8 +120,10 @@ def prune_policies(
     steps = committed_steps(store, RunLayout.POLICIES)
     doomed = steps_to_delete(steps, keep_last=keep_last, keep_every=keep_every)
     needed: set[int] = set()
-    for step in sorted(set(steps) - set(doomed)):
-        needed.update(version.step for version in chain(store, step))
+    # Newest first: a chain runs back through the older kept versions, so theirs are known.
+    for step in sorted(set(steps) - set(doomed), reverse=True):
+        if step not in needed:
+            needed.update(version.step for version in chain(store, step))
     deleted = [step for step in doomed if step not in needed]
     for step in deleted:
         delete_step(store, RunLayout.policy_dir(step))

@@ -345,11 +345,12 @@ class WeightReloadExtension:
             raise ValueError("primeflow_reload needs at least one folder")
         metas = [commit_meta(path) for path in paths]
         decoded: dict[Path, Decoded] = {}
+        signatures: dict[Path, Signature] = {}
         for path, meta in zip(paths, metas, strict=True):
             if is_delta(meta):
                 decoded[path] = read_delta_folder(path)
             else:
-                self._check_fits(path)
+                signatures[path] = self._check_fits(path)
         held, self._primeflow_held = self._primeflow_held, None  # until this load succeeds
         stale_mirror = False  # the mirror changed since the model was loaded from it
         for path, meta in zip(paths, metas, strict=True):
@@ -363,7 +364,7 @@ class WeightReloadExtension:
             else:
                 self._load(iterate_weights(path))
                 stale_mirror = False
-                self._hold(path, meta)
+                self._hold(path, meta, signatures[path])
             uid = meta.get("uid")
             held = str(uid) if uid is not None and self._primeflow_holding else None
         if stale_mirror:
@@ -384,8 +385,9 @@ class WeightReloadExtension:
             weights_iterator=weights, is_checkpoint_format=True
         )
 
-    def _hold(self, path: Path, meta: dict[str, object]) -> None:
-        """After loading full version `path`: where its deltas will go, if deltas follow."""
+    def _hold(self, path: Path, meta: dict[str, object], shapes: Signature) -> None:
+        """After loading full version `path` (tensors of `shapes`): where its deltas will go,
+        if deltas follow."""
         self._primeflow_targets, self._primeflow_mirror = None, None
         if not keeps_mirror(meta):
             return
@@ -394,7 +396,7 @@ class WeightReloadExtension:
         dtype = getattr(torch, str(meta.get("dtype", "")), None)
         if isinstance(dtype, torch.dtype):
             self._primeflow_targets = inplace_targets(
-                model.named_parameters(), read_signature(path), dtype, packed
+                model.named_parameters(), shapes, dtype, packed
             )
         if self._primeflow_targets is None:
             self._primeflow_mirror = dict(iterate_weights(path))
@@ -422,13 +424,15 @@ class WeightReloadExtension:
                 apply_entries(mirror[part.name], positions, signed)
         return targets is None
 
-    def _check_fits(self, path: Path) -> None:
-        """Refuse a folder whose tensors or shapes are not the served model's."""
+    def _check_fits(self, path: Path) -> Signature:
+        """The folder's tensor shapes; refused unless they are the served model's."""
         model_config = self.model_runner.model_config  # type: ignore[attr-defined]
         if self._primeflow_reference is None:
             base = served_model_folder(model_config.model, model_config.revision)
             self._primeflow_reference = read_signature(base)
         tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
-        problem = signature_mismatch(self._primeflow_reference, read_signature(path), tied=tied)
+        found = read_signature(path)
+        problem = signature_mismatch(self._primeflow_reference, found, tied=tied)
         if problem:
             raise ValueError(f"checkpoint {path} does not fit the served model: {problem}")
+        return found

@@ -39,13 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from engine.config.trainer import CheckpointConfig
 from engine.trainer.background import BackgroundWrite
 from engine.trainer.distributed import DistInfo
+from engine.trainer.host_copies import HostCopies
 from engine.trainer.model import PolicyModel
 from storage.checkpoints import (
     apply_retention,
@@ -105,29 +105,6 @@ class StateSnapshot:
     progress: dict[str, Any]
 
 
-class _HostCopies:
-    """Full tensors copied to rank 0's host as they are gathered (pinned on CUDA)."""
-
-    def __init__(self, dist_info: DistInfo) -> None:
-        self.dist_info = dist_info
-        self.pin = dist_info.device.type == "cuda"
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-        """Gather `tensor` (collective for a DTensor) and keep a host copy on rank 0."""
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if self.dist_info.is_main:
-            full = full.detach()
-            host = torch.empty(full.shape, dtype=dtype or full.dtype, pin_memory=self.pin)
-            host.copy_(full, non_blocking=self.pin and full.device.type == "cuda")
-            self.tensors[name] = host
-
-    def done(self) -> dict[str, torch.Tensor]:
-        if self.pin:
-            torch.cuda.synchronize(self.dist_info.device)
-        return self.tensors
-
-
 def snapshot_state(
     policy: PolicyModel,
     optimizer: Optimizer,
@@ -143,15 +120,16 @@ def snapshot_state(
     device. Copies, not views: training goes on while a thread writes them.
     """
     tied = tied_head_key(policy)
-    weights = _HostCopies(dist_info)
+    keep = dist_info.is_main
+    weights = HostCopies(dist_info)
     for name, tensor in get_model_state_dict(policy, options=_SHARDED).items():
         if name != tied:
-            weights.add(name, tensor, torch.float32)
+            weights.add(name, tensor, keep=keep, dtype=torch.float32)
     optim_state = get_optimizer_state_dict(policy, optimizer, options=_SHARDED)
-    trainer_tensors = _HostCopies(dist_info)
+    trainer_tensors = HostCopies(dist_info)
     for param, values in optim_state["state"].items():
         for name, value in values.items():
-            trainer_tensors.add(f"{OPTIMIZER_PREFIX}{param}/{name}", value)
+            trainer_tensors.add(f"{OPTIMIZER_PREFIX}{param}/{name}", value, keep=keep)
     rng_states: list[dict[str, torch.Tensor] | None] = [None] * dist_info.world_size
     dist.all_gather_object(rng_states, _rng_state(dist_info.device))
     weight_copies, tensors = weights.done(), trainer_tensors.done()

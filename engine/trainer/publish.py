@@ -39,6 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from engine.config.trainer import PolicyConfig
 from engine.trainer.background import BackgroundWrite
 from engine.trainer.distributed import DistInfo
+from engine.trainer.host_copies import HostCopies
 from engine.trainer.model import PolicyModel
 from storage.checkpoints import (
     commit_sharded_checkpoint,
@@ -47,6 +48,7 @@ from storage.checkpoints import (
     write_weight_shard,
 )
 from storage.commit import (
+    FileDigest,
     begin_step,
     commit_step,
     committed_steps,
@@ -60,7 +62,6 @@ from storage.deltas import (
     pack_entries,
 )
 from storage.layout import RunLayout
-from storage.paths import join
 from storage.policies import (
     DELTA,
     FULL,
@@ -93,23 +94,14 @@ def snapshot_weights(
     """Full tensors in `dtype` on the host of the rank that owns each (`owners`; rank 0 when
     None), none elsewhere; collective.
 
-    One parameter is gathered at a time, so no rank ever holds a second copy of the whole model
-    on the device. Host copies go to pinned memory on CUDA, so the copy does not stall on paging.
+    One parameter is gathered at a time (`HostCopies`), cast on the device.
     """
-    weights: dict[str, torch.Tensor] = {}
-    pin = dist_info.device.type == "cuda"
+    weights = HostCopies(dist_info)
     for name, tensor in get_model_state_dict(policy, options=_SHARDED).items():
-        if name == skip:
-            continue
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if (owners or {}).get(name, 0) == dist_info.rank:
-            cast = full.detach().to(dtype)
-            host = torch.empty(cast.shape, dtype=dtype, pin_memory=pin)
-            host.copy_(cast, non_blocking=pin)
-            weights[name] = host
-    if pin:
-        torch.cuda.synchronize(dist_info.device)
-    return weights
+        if name != skip:
+            keep = (owners or {}).get(name, 0) == dist_info.rank
+            weights.add(name, tensor, keep=keep, dtype=dtype)
+    return weights.done()
 
 
 def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
@@ -353,14 +345,13 @@ class PolicyPublisher:
         """Several ranks: each writes the whole tensors it owns; rank 0 the index and marker."""
         step_dir = RunLayout.policy_dir(step)
         rank, world = self.dist_info.rank, self.dist_info.world_size
-        files = {}
+        mine = {}
         if weights:
             name = weight_shard_name(rank + 1, world)
-            files = write_weight_shard(self.store, step_dir, name, weights)
-        if not self.dist_info.is_main:
-            write_part(self.store, step_dir, rank, files, uid=uid)
+            mine = write_weight_shard(self.store, step_dir, name, weights)
+        files = self._all_parts(step_dir, uid, mine)
+        if files is None:
             return
-        files.update(wait_for_parts(self.store, step_dir, range(1, world), uid=uid))
         commit_sharded_checkpoint(
             self.store,
             step,
@@ -387,14 +378,24 @@ class PolicyPublisher:
         if world == 1:
             begin_step(self.store, step_dir)
         delta = compress_entries(self._stream.parts, packed, count)
-        files = write_delta_file(self.store, step_dir, delta_file_name(rank, world), delta)
-        if not self.dist_info.is_main:
-            write_part(self.store, step_dir, rank, files, uid=uid)
+        mine = write_delta_file(self.store, step_dir, delta_file_name(rank, world), delta)
+        files = self._all_parts(step_dir, uid, mine)
+        if files is None:
             return
-        files.update(wait_for_parts(self.store, step_dir, range(1, world), uid=uid))
         meta = {**self._meta(uid), "kind": DELTA, "base": base[0], "base_uid": base[1]}
         commit_step(self.store, step_dir, files, step=step, meta=meta)
         self._prune()
+
+    def _all_parts(
+        self, step_dir: str, uid: str, mine: dict[str, FileDigest]
+    ) -> dict[str, FileDigest] | None:
+        """Rank 0: its files and every other rank's, once all are written (then it commits);
+        other ranks: None, after recording their files as their part of version `uid`."""
+        if not self.dist_info.is_main:
+            write_part(self.store, step_dir, self.dist_info.rank, mine, uid=uid)
+            return None
+        ranks = range(1, self.dist_info.world_size)
+        return {**mine, **wait_for_parts(self.store, step_dir, ranks, uid=uid)}
 
     def _prune(self) -> None:
         prune_policies(
@@ -409,7 +410,7 @@ class PolicyPublisher:
         if self.dist_info.is_main:
             newer = [s for s in committed_steps(self.store, RunLayout.POLICIES) if s > step]
             for stale in newer:
-                delete_step(self.store, join(RunLayout.POLICIES, RunLayout.step_name(stale)))
+                delete_step(self.store, RunLayout.policy_dir(stale))
         if dist.is_initialized():
             dist.barrier()
         return newer
