@@ -15,6 +15,7 @@ import functools
 import io
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
@@ -85,17 +86,6 @@ def _observe_file(path: str, observer: ChunkObserver, chunk: int) -> None:
     with open(path, "rb", buffering=0) as source:
         while count := source.readinto(buffer):
             observer.update(buffer[:count])
-
-
-def _abandon(handle: Any) -> None:
-    """Drop a half-written object-store file without publishing it (aborts a multipart upload)."""
-    discard = getattr(handle, "discard", None)
-    with suppress(Exception):
-        if callable(discard):
-            discard()
-    # Marked closed so that neither `close` nor the garbage collector completes the upload.
-    with suppress(Exception):
-        handle.closed = True
 
 
 def _is_hidden(path: str) -> bool:
@@ -183,9 +173,11 @@ class ObjectStore:
         """Write one object by streaming into it: `fill(handle)` writes the bytes; its result is
         returned. Readers see the previous version or the complete new one, as with `write_bytes`.
 
-        On local disk `fill` writes straight into the temporary file that is renamed into place;
-        on S3 and GCS into the filesystem's buffered file object (multipart / resumable upload,
-        published on close, aborted when `fill` fails); `memory://` buffers and puts once. A
+        On local disk `fill` writes straight into the temporary file that is renamed into place.
+        On S3 and GCS it writes into a local temporary file that is then uploaded in one call:
+        s3fs sends a large file as a multipart upload with `max_concurrency` (10) parts in
+        flight, where its buffered file object sends one part at a time, and aborts the upload
+        when a part fails; a failed `fill` uploads nothing. `memory://` buffers and puts once. A
         transient fault repeats the whole write, calling `fill` again from the start, so `fill`
         must be repeatable (and start any running state, such as a hash, afresh).
         """
@@ -209,13 +201,11 @@ class ObjectStore:
             return result
 
         def remote(full: str) -> T:
-            handle = fs.open(full, "wb")
-            try:
-                result = fill(handle)
-            except BaseException:
-                _abandon(handle)
-                raise
-            handle.close()
+            with tempfile.TemporaryDirectory(prefix=TMP_PREFIX) as folder:
+                spool = os.path.join(folder, "object")
+                with open(spool, "wb") as handle:
+                    result = fill(handle)
+                fs.put_file(spool, full)
             return result
 
         if self._backend.is_local:
