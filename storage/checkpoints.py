@@ -155,11 +155,12 @@ def weight_shard_name(number: int, total: int) -> str:
     return f"{WEIGHTS_STEM}-{number:05d}-of-{total:05d}.safetensors"
 
 
-def write_weight_shard(
-    store: ObjectStore, step_dir: str, name: str, weights: Mapping[str, torch.Tensor]
+def write_tensor_file(
+    store: ObjectStore, step_dir: str, name: str, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, FileDigest]:
-    """One weights file of a checkpoint several writers fill (`commit_sharded_checkpoint`)."""
-    tensors, _ = prepare_tensors(weights, tie_word_embeddings=False)
+    """One safetensors file of a checkpoint several writers fill (`commit_sharded_checkpoint`):
+    weights or trainer state; {name: digest}."""
+    tensors, _ = prepare_tensors(tensors, tie_word_embeddings=False)
     pieces = safetensors_pieces(tensors, {"format": "pt"})
 
     def fill(out: HashingWriter) -> None:
@@ -180,15 +181,21 @@ def commit_sharded_checkpoint(
     files: Mapping[str, bytes] | None = None,
     meta: Mapping[str, Any] | None = None,
     parent: str = RunLayout.CHECKPOINTS,
+    trainer_map: Mapping[str, str] | None = None,
+    trainer_size: int = 0,
+    progress: Mapping[str, Any] | None = None,
 ) -> CommitRecord:
     """Add `config.json`, the index and `files` to weights files others wrote, and commit.
 
     `weight_map` maps each tensor to its file, as `model.safetensors.index.json` does, so the
     folder is the Hugging Face sharded layout that `transformers` and vLLM load as it is.
+    A resume checkpoint's trainer-state files get the same kind of index (`trainer_map`, file
+    names relative to `trainer/`), and its `progress` is written here.
     """
     if "model_type" not in config:
         raise ValueError("config must be a Hugging Face config dict with 'model_type'")
-    missing = sorted(set(weight_map.values()) - set(shards))
+    state_files = {join(TRAINER_DIR, name) for name in (trainer_map or {}).values()}
+    missing = sorted({*weight_map.values(), *state_files} - set(shards))
     if missing:
         raise ValueError(f"the index names files nobody wrote: {missing}")
     step_dir = join(parent, RunLayout.step_name(step))
@@ -199,6 +206,11 @@ def commit_sharded_checkpoint(
         CONFIG: _json_bytes(config, "config"),
         index_name(WEIGHTS_STEM): _json_bytes(index, "index"),
     }
+    if trainer_map:
+        state_index = {"metadata": {"total_size": trainer_size}, "weight_map": dict(trainer_map)}
+        extra[index_name(TRAINER_STATE_STEM)] = _json_bytes(state_index, "index")
+    if progress is not None:
+        extra[PROGRESS] = _json_bytes(progress, "progress")
     for name, data in extra.items():
         digests[name] = digest_bytes(data)
         store.write_bytes(join(step_dir, name), data)

@@ -8,15 +8,13 @@ already hold, by uid), so a delta is never applied to another lineage's version 
 step number: after a trainer resumed from an older checkpoint the numbers repeat, the uids do
 not.
 
-Several trainer ranks write one version: each writes its own files and a `_PART-RRRRR.json`
-listing their digests; rank 0 waits for every part, then commits them all in one marker.
+Several trainer ranks write one version (`storage.parts`): each writes its own files and
+part; rank 0 waits for every part, then commits them all in one marker.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +38,6 @@ from storage.deltas import (
     is_delta_file,
     read_delta_file,
 )
-from storage.errors import ObjectNotFoundError, StepTimeoutError
 from storage.layout import RunLayout
 from storage.paths import join
 from storage.retention import steps_to_delete
@@ -51,8 +48,6 @@ DELTA = "delta"
 #: Longest chain a reader follows before it calls the run broken (writers bound it by
 #: `trainer.policy.full_every`, which is far below this).
 _MAX_CHAIN = 10_000
-#: How long rank 0 waits for the other ranks' parts of a version before it fails the stage.
-PART_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -141,55 +136,6 @@ def write_delta_file(
             out.write(piece)
 
     return {name: write_hashed(store, join(step_dir, name), fill)}
-
-
-def part_marker(rank: int) -> str:
-    return f"_PART-{rank:05d}.json"
-
-
-def write_part(
-    store: ObjectStore, step_dir: str, rank: int, files: Mapping[str, FileDigest], *, uid: str
-) -> None:
-    """Record the files rank `rank` wrote into `step_dir` for version `uid`, after them."""
-    document = {"uid": uid, "files": {name: digest.to_json() for name, digest in files.items()}}
-    store.write_bytes(join(step_dir, part_marker(rank)), json.dumps(document).encode())
-
-
-def wait_for_parts(
-    store: ObjectStore,
-    step_dir: str,
-    ranks: Iterable[int],
-    *,
-    uid: str,
-    timeout_s: float = PART_TIMEOUT_S,
-) -> dict[str, FileDigest]:
-    """Every file the other `ranks` wrote into `step_dir` for version `uid`.
-
-    A part of another uid is a dead writer's (the step number was published before a resume)
-    and is waited past until this version's replaces it.
-    """
-    files: dict[str, FileDigest] = {}
-    deadline = time.monotonic() + timeout_s
-    for rank in ranks:
-        while (document := _read_part(store, join(step_dir, part_marker(rank)))) is None or (
-            document.get("uid") != uid
-        ):
-            if time.monotonic() > deadline:
-                raise StepTimeoutError(
-                    store.url(step_dir), f"rank {rank} did not write its part in {timeout_s:g}s"
-                )
-            time.sleep(0.02)
-        files.update(
-            {name: FileDigest.from_json(entry) for name, entry in document["files"].items()}
-        )
-    return files
-
-
-def _read_part(store: ObjectStore, path: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(store.read_bytes(path))
-    except ObjectNotFoundError:
-        return None
 
 
 def load_policy_weights(store: ObjectStore, step: int) -> dict[str, torch.Tensor]:

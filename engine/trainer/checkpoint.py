@@ -14,18 +14,20 @@ Nothing is unpickled on resume. State dicts are full (unsharded), so a run can r
 different number of ranks (RNG states are then left as they are).
 
 A checkpoint is written in the background (`CheckpointWriter`): the trainer *snapshots* the
-state (every tensor gathered one at a time and copied into host memory on rank 0, pinned on
-CUDA) and goes on training while a thread writes and commits it. Only the snapshot stalls the
-step; one checkpoint is in flight at a time, and a stage returns only once its last one is
-committed.
+state (every tensor gathered one at a time and copied into the host memory of the rank that
+owns it, pinned on CUDA, behind the next step: `host_copies`) and goes on training while a
+thread on every rank writes its files and rank 0 commits them all. Only issuing the snapshot
+stalls the step; one checkpoint is in flight at a time, and a stage returns only once its
+last one is committed.
 """
 
 from __future__ import annotations
 
 import copy
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,23 +41,31 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from engine.config.trainer import CheckpointConfig
 from engine.trainer.background import BackgroundWrite
-from engine.trainer.distributed import DistInfo
-from engine.trainer.host_copies import HostCopies
+from engine.trainer.distributed import DistInfo, shared_uid
+from engine.trainer.host_copies import Fence, HostCopies, warm_pinned_memory
 from engine.trainer.model import PolicyModel
+from engine.trainer.owners import assign_owners
 from storage.checkpoints import (
+    TRAINER_DIR,
+    TRAINER_STATE_STEM,
+    WEIGHTS_STEM,
     apply_retention,
+    commit_sharded_checkpoint,
     fetch_checkpoint,
     load_checkpoint_weights,
     load_trainer_state,
     write_checkpoint,
+    write_tensor_file,
 )
-from storage.commit import latest_committed_step
+from storage.commit import FileDigest, begin_step, latest_committed_step
 from storage.layout import RunLayout
+from storage.parts import wait_for_parts, write_part
 from storage.store import ObjectStore
 
 _SHARDED = StateDictOptions(full_state_dict=False)
@@ -97,15 +107,44 @@ def _optimizer_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str,
 
 @dataclass(frozen=True)
 class StateSnapshot:
-    """A step's trainer state in rank 0's host memory: what `write_checkpoint` takes."""
+    """The part of a step's trainer state this rank writes, in its host memory.
+
+    `weights` and `trainer_tensors` are the whole tensors this rank owns (`owners`: all of
+    them with one rank); `files` names the file each tensor of the checkpoint goes to, so
+    rank 0 can write the indexes; `progress` is rank 0's (empty elsewhere). The copies are
+    complete once `fence` says so.
+    """
 
     step: int
+    uid: str
     weights: dict[str, torch.Tensor]
     trainer_tensors: dict[str, torch.Tensor]
+    files: dict[str, str]
+    sizes: dict[str, int]
     progress: dict[str, Any]
+    fence: Fence
+
+
+def state_file(stem: str, rank: int, world: int) -> str:
+    """Where rank `rank`'s tensors of `stem` go: one file with one rank, else one per rank."""
+    if world == 1:
+        return f"{stem}.safetensors"
+    return f"{stem}-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+def model_tensors(policy: PolicyModel) -> list[tuple[str, torch.Tensor]]:
+    """The (sharded) parameters and buffers a checkpoint stores, by name; a tied LM head is
+    stored once, as Hugging Face does. Named once per stage: naming them costs milliseconds."""
+    tied = tied_head_key(policy)
+    return [
+        (name, tensor)
+        for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
+        if name != tied
+    ]
 
 
 def snapshot_state(
+    params: Sequence[tuple[str, torch.Tensor]],
     policy: PolicyModel,
     optimizer: Optimizer,
     scheduler: LRScheduler,
@@ -113,51 +152,95 @@ def snapshot_state(
     *,
     step: int,
     progress: Mapping[str, Any],
-) -> StateSnapshot | None:
-    """Copy what an exact resume needs to rank 0's host (None elsewhere); collective.
+    owners: Mapping[str, int],
+) -> StateSnapshot:
+    """Copy what an exact resume needs (`params`: `model_tensors`) to host memory, each whole
+    tensor to the rank that owns its parameter (`owners`); collective.
 
     One tensor is gathered at a time, so no rank holds a second copy of the model on the
     device. Copies, not views: training goes on while a thread writes them.
     """
-    tied = tied_head_key(policy)
-    keep = dist_info.is_main
-    weights = HostCopies(dist_info)
-    for name, tensor in get_model_state_dict(policy, options=_SHARDED).items():
-        if name != tied:
-            weights.add(name, tensor, keep=keep, dtype=torch.float32)
-    optim_state = get_optimizer_state_dict(policy, optimizer, options=_SHARDED)
-    trainer_tensors = HostCopies(dist_info)
+    rank, world = dist_info.rank, dist_info.world_size
+    copies = HostCopies(dist_info)
+    files: dict[str, str] = {}
+    for name, tensor in params:
+        owner = owners.get(name, 0)
+        copies.add(name, tensor, keep=owner == rank, dtype=torch.float32)
+        files[name] = state_file(WEIGHTS_STEM, owner, world)
+    optim_state = _optimizer_state_dict(policy, optimizer)
     for param, values in optim_state["state"].items():
+        owner = owners.get(param, 0)
         for name, value in values.items():
-            trainer_tensors.add(f"{OPTIMIZER_PREFIX}{param}/{name}", value, keep=keep)
-    rng_states: list[dict[str, torch.Tensor] | None] = [None] * dist_info.world_size
+            key = f"{OPTIMIZER_PREFIX}{param}/{name}"
+            copies.add(key, value, keep=owner == rank)
+            files[key] = state_file(TRAINER_STATE_STEM, owner, world)
+    rng_states: list[dict[str, torch.Tensor] | None] = [None] * world
     dist.all_gather_object(rng_states, _rng_state(dist_info.device))
-    weight_copies, tensors = weights.done(), trainer_tensors.done()
-    if not dist_info.is_main:
-        return None
-    for rank, states in enumerate(rng_states):
+    uid = shared_uid(dist_info)
+    tensors, fence = copies.done()
+    weights = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    trainer_tensors = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
+    for source, states in enumerate(rng_states):
         for device, tensor in (states or {}).items():
-            tensors[f"{RNG_PREFIX}rank{rank}/{device}"] = tensor
+            key = f"{RNG_PREFIX}rank{source}/{device}"
+            files[key] = state_file(TRAINER_STATE_STEM, 0, world)
+            copies.sizes[key] = tensor.numel() * tensor.element_size()
+            if dist_info.is_main:
+                trainer_tensors[key] = tensor
     return StateSnapshot(
         step=step,
-        weights=weight_copies,
-        trainer_tensors=tensors,
+        uid=uid,
+        weights=weights,
+        trainer_tensors=trainer_tensors,
+        files=files,
+        sizes=copies.sizes,
         progress=copy.deepcopy(
             {
                 "step": step,
-                "world_size": dist_info.world_size,
+                "world_size": world,
                 "data": dict(progress),
                 "param_groups": optim_state["param_groups"],
                 "scheduler": scheduler.state_dict(),
             }
         ),
+        fence=fence,
     )
+
+
+def _optimizer_state_dict(policy: PolicyModel, optimizer: Optimizer) -> dict[str, Any]:
+    """The sharded optimizer state by parameter name.
+
+    Names are found through the modules' registered parameters, which are the unsharded ones
+    while FSDP2 leaves a module gathered: after a forward without a backward (an evaluation),
+    the root and the last block, which are not resharded after forward. Resharding first
+    registers the sharded parameters the optimizer holds again.
+    """
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return get_optimizer_state_dict(policy, optimizer, options=_SHARDED)
+
+
+def pinned_sizes(
+    params: Sequence[tuple[str, torch.Tensor]], owners: Mapping[str, int], rank: int
+) -> list[int]:
+    """The host blocks this rank's snapshot takes: fp32 weights and AdamW's two fp32 moments
+    of every parameter it owns."""
+    return [
+        4 * tensor.numel()
+        for name, tensor in params
+        if owners.get(name, 0) == rank
+        for _ in range(3)
+    ]
 
 
 class CheckpointWriter:
     """Resume checkpoints of one stage, snapshotted on the step and written in the background.
 
-    `files` are tokenizer/generation files to ship; `config` the retention and shard size.
+    Every rank writes the whole tensors it owns (`assign_owners`; one file of weights and one
+    of trainer state per rank), and rank 0 the indexes, the progress and the marker once every
+    part is there (`storage.parts`). `files` are tokenizer/generation files to ship; `config`
+    the retention and shard size.
     """
 
     def __init__(
@@ -179,25 +262,42 @@ class CheckpointWriter:
         self.files = dict(files)
         self.config = config
         self._writes = BackgroundWrite("a resume checkpoint")
+        self._params = model_tensors(policy)
+        sizes = {name: tensor.numel() for name, tensor in self._params}
+        self._owners = assign_owners(sizes, dist_info.world_size)
+        self._warming: threading.Thread | None = None
+        if dist_info.device.type == "cuda":
+            self._warming = warm_pinned_memory(
+                pinned_sizes(self._params, self._owners, dist_info.rank)
+            )
 
     def save(self, step: int, progress: Mapping[str, Any]) -> float:
         """Snapshot checkpoint `step` and commit it in the background (collective).
 
         Returns the seconds the step stalled: waiting for the previous checkpoint and taking
-        the snapshot. A failed earlier checkpoint is raised here.
+        the snapshot (its copies go on behind the next step). A failed earlier checkpoint is
+        raised here.
         """
         started = time.perf_counter()
+        self._writes.close()
+        if self.dist_info.world_size > 1 and self.dist_info.is_main:
+            begin_step(self.store, RunLayout.checkpoint_dir(step))
         self.flush()
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
         snapshot = snapshot_state(
+            self._params,
             self.policy,
             self.optimizer,
             self.scheduler,
             self.dist_info,
             step=step,
             progress=progress,
+            owners=self._owners,
         )
-        if snapshot is not None:
-            self._writes.start(f"checkpoint-{step}", lambda: self._write(snapshot))
+        snapshot.fence.guard(self.optimizer)
+        self._writes.start(f"checkpoint-{step}", lambda: self._write(snapshot))
         return time.perf_counter() - started
 
     def flush(self) -> None:
@@ -212,19 +312,63 @@ class CheckpointWriter:
         self._writes.close()
 
     def _write(self, snapshot: StateSnapshot) -> None:
-        write_checkpoint(
-            self.store,
-            snapshot.step,
-            weights=snapshot.weights,
-            config=self.policy.config.to_dict(),
-            files=self.files,
-            trainer_state=snapshot.trainer_tensors,
-            progress=snapshot.progress,
-            max_shard_bytes=int(self.config.max_shard_gb * 2**30),
-        )
+        snapshot.fence.wait()
+        if self.dist_info.world_size == 1:
+            write_checkpoint(
+                self.store,
+                snapshot.step,
+                weights=snapshot.weights,
+                config=self.policy.config.to_dict(),
+                files=self.files,
+                trainer_state=snapshot.trainer_tensors,
+                progress=snapshot.progress,
+                max_shard_bytes=int(self.config.max_shard_gb * 2**30),
+            )
+        elif not self._write_part(snapshot):
+            return
         apply_retention(
             self.store, keep_last=self.config.keep_last, keep_every=self.config.keep_every
         )
+
+    def _write_part(self, snapshot: StateSnapshot) -> bool:
+        """Several ranks: write this rank's files; rank 0 then commits them all (True)."""
+        rank, world = self.dist_info.rank, self.dist_info.world_size
+        step_dir = RunLayout.checkpoint_dir(snapshot.step)
+        mine: dict[str, FileDigest] = {}
+        for stem, tensors in (
+            (WEIGHTS_STEM, snapshot.weights),
+            (TRAINER_STATE_STEM, snapshot.trainer_tensors),
+        ):
+            if tensors:
+                name = state_file(stem, rank, world)
+                mine.update(write_tensor_file(self.store, step_dir, name, tensors))
+        if not self.dist_info.is_main:
+            write_part(self.store, step_dir, rank, mine, uid=snapshot.uid)
+            return False
+        others = wait_for_parts(self.store, step_dir, range(1, world), uid=snapshot.uid)
+        weights = {n: f for n, f in snapshot.files.items() if not _is_trainer_tensor(n)}
+        state = {
+            n: f.removeprefix(f"{TRAINER_DIR}/")
+            for n, f in snapshot.files.items()
+            if _is_trainer_tensor(n)
+        }
+        commit_sharded_checkpoint(
+            self.store,
+            snapshot.step,
+            shards={**mine, **others},
+            weight_map=weights,
+            total_size=sum(snapshot.sizes[n] for n in weights),
+            config=self.policy.config.to_dict(),
+            files=self.files,
+            trainer_map=state,
+            trainer_size=sum(snapshot.sizes[n] for n in state),
+            progress=snapshot.progress,
+        )
+        return True
+
+
+def _is_trainer_tensor(name: str) -> bool:
+    return name.startswith((OPTIMIZER_PREFIX, RNG_PREFIX))
 
 
 def latest_checkpoint(store: ObjectStore) -> int | None:

@@ -8,6 +8,7 @@ so FSDP2 and every collective run unchanged in tests and single-device runs.
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,3 +93,20 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
+
+
+def agree_sums(values: list[int], dist_info: DistInfo) -> list[int]:
+    """Sum integer `values` over the ranks (one small all-reduce), so every rank decides alike."""
+    if not dist.is_initialized() or dist_info.world_size == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64, device=dist_info.device)
+    dist.all_reduce(tensor)
+    return [int(value) for value in tensor.tolist()]
+
+
+def shared_uid(dist_info: DistInfo) -> str:
+    """A random id drawn by rank 0 and known to every rank (collective): names one write of a
+    step that several ranks take part in."""
+    bits = [secrets.randbits(62), secrets.randbits(62)] if dist_info.is_main else [0, 0]
+    high, low = agree_sums(bits, dist_info)
+    return f"{high:016x}{low:016x}"

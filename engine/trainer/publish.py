@@ -24,28 +24,29 @@ from __future__ import annotations
 
 import functools
 import math
-import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.optim import Optimizer
 
 from engine.config.trainer import PolicyConfig
 from engine.trainer.background import BackgroundWrite
-from engine.trainer.distributed import DistInfo
-from engine.trainer.host_copies import HostCopies
+from engine.trainer.checkpoint import model_tensors
+from engine.trainer.distributed import DistInfo, agree_sums, shared_uid
+from engine.trainer.host_copies import Fence, HostCopies
 from engine.trainer.model import PolicyModel
+from engine.trainer.owners import assign_owners
 from storage.checkpoints import (
     commit_sharded_checkpoint,
     weight_shard_name,
     write_checkpoint,
-    write_weight_shard,
+    write_tensor_file,
 )
 from storage.commit import (
     FileDigest,
@@ -62,18 +63,14 @@ from storage.deltas import (
     pack_entries,
 )
 from storage.layout import RunLayout
+from storage.parts import wait_for_parts, write_part
 from storage.policies import (
     DELTA,
     FULL,
     prune_policies,
-    wait_for_parts,
     write_delta_file,
-    write_part,
 )
 from storage.store import ObjectStore
-
-#: Sharded state dict: names cleaned of wrappers, no gather (each tensor gathered on its own).
-_SHARDED = StateDictOptions(full_state_dict=False)
 
 
 def serving_dtype(config: Any) -> torch.dtype:
@@ -85,38 +82,21 @@ def serving_dtype(config: Any) -> torch.dtype:
 
 
 def snapshot_weights(
-    policy: PolicyModel,
+    params: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     dist_info: DistInfo,
-    skip: str | None,
     owners: Mapping[str, int] | None = None,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], Fence]:
     """Full tensors in `dtype` on the host of the rank that owns each (`owners`; rank 0 when
-    None), none elsewhere; collective.
+    None), none elsewhere, and the fence of their copies; collective.
 
     One parameter is gathered at a time (`HostCopies`), cast on the device.
     """
     weights = HostCopies(dist_info)
-    for name, tensor in get_model_state_dict(policy, options=_SHARDED).items():
-        if name != skip:
-            keep = (owners or {}).get(name, 0) == dist_info.rank
-            weights.add(name, tensor, keep=keep, dtype=dtype)
+    for name, tensor in params:
+        keep = (owners or {}).get(name, 0) == dist_info.rank
+        weights.add(name, tensor, keep=keep, dtype=dtype)
     return weights.done()
-
-
-def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
-    """Which rank writes each whole tensor of a full version: the largest first, each to the
-    rank with the fewest entries so far, so every rank writes about 1/world of the bytes.
-
-    The same on every rank (it depends on the sizes alone).
-    """
-    load = [0] * world
-    owners: dict[str, int] = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[name] = rank
-        load[rank] += sizes[name]
-    return owners
 
 
 def _owned(tensor: torch.Tensor, dist_info: DistInfo) -> tuple[torch.Tensor, int] | None:
@@ -167,15 +147,6 @@ class OwnedStream:
         return stream
 
 
-def agree_sums(values: list[int], dist_info: DistInfo) -> list[int]:
-    """Sum `values` over the ranks (one small all-reduce), so every rank decides alike."""
-    if not dist.is_initialized() or dist_info.world_size == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.int64, device=dist_info.device)
-    dist.all_reduce(tensor)
-    return [int(value) for value in tensor.tolist()]
-
-
 class _Staging:
     """One host buffer for a delta's entries, pinned on CUDA, grown as needed.
 
@@ -213,31 +184,27 @@ class PolicyPublisher:
         self,
         store: ObjectStore,
         policy: PolicyModel,
+        optimizer: Optimizer,
         dist_info: DistInfo,
         *,
         config: PolicyConfig,
         files: Mapping[str, bytes],
-        tied_head: str | None,
         lineage: int,
     ) -> None:
         self.store = store
         self.policy = policy
+        self.optimizer = optimizer
         self.dist_info = dist_info
         self.config = config
         self.files = dict(files)
-        self.tied_head = tied_head
         self.lineage = lineage
         self.dtype = serving_dtype(policy.config)
         self._writes = BackgroundWrite("a policy version")
         # Laid out once: naming the parameters costs more than the snapshot itself.
-        params = [
-            (name, tensor)
-            for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
-            if name != tied_head
-        ]
-        self._stream = OwnedStream(params, self.dtype, dist_info)
+        self._params = model_tensors(policy)
+        self._stream = OwnedStream(self._params, self.dtype, dist_info)
         self._staging = _Staging(dist_info.device.type == "cuda")
-        self._sizes = {name: tensor.numel() for name, tensor in params}
+        self._sizes = {name: tensor.numel() for name, tensor in self._params}
         self._owners = assign_owners(self._sizes, dist_info.world_size)
         self._previous: torch.Tensor | None = None
         self._previous_version: tuple[int, str] | None = None
@@ -261,23 +228,19 @@ class PolicyPublisher:
             local_count = positions.numel()
             del positions, zigzag
         itemsize = current.element_size()
-        uid_bits = (
-            [secrets.randbits(62), secrets.randbits(62)] if self.dist_info.is_main else [0, 0]
-        )
+        uid = shared_uid(self.dist_info)
         # Summed over the ranks: a full version unless every rank's delta is encodable and
         # all of them together are smaller than the weights.
-        unencodable, raw, full, changed, total, *uid_bits = agree_sums(
+        unencodable, raw, full, changed, total = agree_sums(
             [
                 int(entries is None),
                 0 if entries is None else entries.numel(),
                 current.numel() * itemsize,
                 current.numel() if entries is None else local_count,
                 current.numel(),
-                *uid_bits,
             ],
             self.dist_info,
         )
-        uid = f"{uid_bits[0]:016x}{uid_bits[1]:016x}"
         as_delta = not unencodable and self._delta_due() and raw < full
         if as_delta:
             assert entries is not None and self._previous_version is not None
@@ -303,13 +266,10 @@ class PolicyPublisher:
         return self._since_full + 1 < self.config.full_every
 
     def _full_job(self, step: int, uid: str) -> functools.partial[None]:
-        if self.dist_info.world_size == 1:
-            weights = snapshot_weights(self.policy, self.dtype, self.dist_info, self.tied_head)
-            return functools.partial(self._write_full, step, uid, weights)
-        weights = snapshot_weights(
-            self.policy, self.dtype, self.dist_info, self.tied_head, self._owners
-        )
-        return functools.partial(self._write_full_shard, step, uid, weights)
+        weights, fence = snapshot_weights(self._params, self.dtype, self.dist_info, self._owners)
+        fence.guard(self.optimizer)
+        write = self._write_full if self.dist_info.world_size == 1 else self._write_full_shard
+        return functools.partial(write, step, uid, weights, fence)
 
     def flush(self) -> None:
         """Wait for the publication in flight; raise its error, if it failed."""
@@ -327,9 +287,10 @@ class PolicyPublisher:
             "full_every": self.config.full_every,
         }
 
-    def _write_full(self, step: int, uid: str, weights: dict[str, torch.Tensor]) -> None:
-        if not self.dist_info.is_main:
-            return
+    def _write_full(
+        self, step: int, uid: str, weights: dict[str, torch.Tensor], fence: Fence
+    ) -> None:
+        fence.wait()
         write_checkpoint(
             self.store,
             step,
@@ -341,14 +302,17 @@ class PolicyPublisher:
         )
         self._prune()
 
-    def _write_full_shard(self, step: int, uid: str, weights: dict[str, torch.Tensor]) -> None:
+    def _write_full_shard(
+        self, step: int, uid: str, weights: dict[str, torch.Tensor], fence: Fence
+    ) -> None:
         """Several ranks: each writes the whole tensors it owns; rank 0 the index and marker."""
+        fence.wait()
         step_dir = RunLayout.policy_dir(step)
         rank, world = self.dist_info.rank, self.dist_info.world_size
         mine = {}
         if weights:
             name = weight_shard_name(rank + 1, world)
-            mine = write_weight_shard(self.store, step_dir, name, weights)
+            mine = write_tensor_file(self.store, step_dir, name, weights)
         files = self._all_parts(step_dir, uid, mine)
         if files is None:
             return

@@ -42,7 +42,6 @@ from engine.trainer.checkpoint import (
     CheckpointWriter,
     latest_checkpoint,
     load_checkpoint,
-    tied_head_key,
 )
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import LossFn, build_loss, sft_loss
@@ -296,10 +295,10 @@ def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
     publisher = PolicyPublisher(
         trainer.store,
         trainer.ctx.policy,
+        trainer.optimizer,
         trainer.dist,
         config=trainer.config.trainer.policy,
         files=trainer.assets,
-        tied_head=tied_head_key(trainer.ctx.policy),
         lineage=resumed_at,
     )
     forgotten = publisher.forget_after(resumed_at)

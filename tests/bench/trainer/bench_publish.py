@@ -48,7 +48,7 @@ from engine.config.trainer import (
     PolicyConfig,
 )
 from engine.trainer.batching import micro_batches
-from engine.trainer.checkpoint import CheckpointWriter, tied_head_key
+from engine.trainer.checkpoint import CheckpointWriter, model_tensors, tied_head_key
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import sft_loss
 from engine.trainer.model import ModelOptions, build_policy, causal_lm_from_config
@@ -159,8 +159,9 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
         """Train and publish `args.steps` versions; the stall and bytes of each kind."""
         store = ObjectStore(f"file://{root}/{name}")
         publisher = PolicyPublisher(
-            store, policy, dist, config=PolicyConfig(keep_last=2, full_every=full_every),
-            files={}, tied_head=tied_head_key(policy), lineage=0,
+            store, policy, optimizer, dist,
+            config=PolicyConfig(keep_last=2, full_every=full_every),
+            files={}, lineage=0,
         )  # fmt: skip
         stalls: dict[bool, list[float]] = {True: [], False: []}
         sizes: dict[bool, list[int]] = {True: [], False: []}
@@ -199,7 +200,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
         path = root / f"plain-{step}.safetensors"
 
         def plain(path: Path = path) -> None:
-            weights = snapshot_weights(policy, torch.bfloat16, dist, tied_head_key(policy))
+            weights, fence = snapshot_weights(model_tensors(policy), torch.bfloat16, dist)
+            fence.wait()
             if dist.is_main:
                 save_file(weights, str(path))
 

@@ -16,16 +16,25 @@ import torch
 
 from engine.run import run_store as open_run_store
 from engine.trainer.pool import run_trainer
-from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
+from storage.checkpoints import (
+    TrainerState,
+    fetch_checkpoint,
+    load_checkpoint_weights,
+    load_trainer_state,
+)
+from storage.commit import read_commit
+from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps
 
 
-def weights(config, step: int) -> dict[str, torch.Tensor]:
+def checkpoint(config, step: int) -> tuple[dict[str, torch.Tensor], TrainerState]:
+    """A resume checkpoint's weights and trainer state, fetched and verified."""
     with tempfile.TemporaryDirectory() as tmp:
-        return load_checkpoint_weights(
-            fetch_checkpoint(open_run_store(config), step, Path(tmp) / "ckpt")
+        folder = fetch_checkpoint(
+            open_run_store(config), step, Path(tmp) / "ckpt", trainer_state=True
         )
+        return load_checkpoint_weights(folder), load_trainer_state(folder)
 
 
 def test_two_gloo_ranks_take_the_same_steps_as_one(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -48,9 +57,25 @@ def test_two_gloo_ranks_take_the_same_steps_as_one(tmp_path: Path, tiny_model_di
         # Same batch, same normalisation; only the order of fp32 sums differs.
         for key in ("loss", "grad_norm", "entropy", "mismatch_kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    w1, w2 = weights(configs[1], 2), weights(configs[2], 2)
+    (w1, s1), (w2, s2) = checkpoint(configs[1], 2), checkpoint(configs[2], 2)
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6, msg=name)
+    # Two ranks wrote the checkpoint together, each the whole tensors it owns: every AdamW
+    # moment is there once, in full, and both ranks' RNG states.
+    files = read_commit(open_run_store(configs[2]), RunLayout.checkpoint_dir(2)).files
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} <= set(files)
+    assert {
+        "trainer/state-00001-of-00002.safetensors",
+        "trainer/state-00002-of-00002.safetensors",
+        "trainer/state.safetensors.index.json",
+        "trainer/progress.json",
+    } <= set(files)
+    optimizer = {n for n in s1.tensors if n.startswith("optimizer/")}
+    assert optimizer and {n for n in s2.tensors if n.startswith("optimizer/")} == optimizer
+    assert {n for n in s2.tensors if n.startswith("rng/")} == {"rng/rank0/cpu", "rng/rank1/cpu"}
+    for name in optimizer:
+        torch.testing.assert_close(s2.tensors[name], s1.tensors[name], rtol=1e-4, atol=1e-7)
+    assert s2.progress["world_size"] == 2 and s2.progress["step"] == 2
 
 
 def test_pool_exits_when_its_supervisor_dies(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from engine.models import write_tiny_model
@@ -18,12 +17,13 @@ from engine.run import local_run_dir
 from engine.run import run_store as open_run_store
 from engine.trainer.pool import run_trainer
 from engine.trainer.worker import run_stage
-from storage.checkpoints import fetch_checkpoint
+from storage.checkpoints import WEIGHTS_STEM, fetch_checkpoint
 from storage.commit import committed_steps, read_commit
 from storage.errors import PermanentStorageError
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.policies import load_policy_weights
+from storage.tensor_files import load_tensor_files
 from tests.integration.trainer.conftest import SPEC, make_config, write_steps
 
 
@@ -40,7 +40,7 @@ def stored(config, step: int, parent: str) -> dict[str, torch.Tensor]:
         return load_policy_weights(open_run_store(config), step)
     with tempfile.TemporaryDirectory() as tmp:
         folder = fetch_checkpoint(open_run_store(config), step, Path(tmp) / "f", parent=parent)
-        return load_file(str(folder / "model.safetensors"))
+        return load_tensor_files(folder, WEIGHTS_STEM)  # one file, or one per rank
 
 
 def assert_versions_are_the_masters_cast(config, steps: range) -> None:

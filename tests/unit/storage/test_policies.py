@@ -10,13 +10,12 @@ from storage.commit import commit_step, committed_steps, delete_step
 from storage.deltas import delta_between
 from storage.errors import StepTimeoutError
 from storage.layout import RunLayout
+from storage.parts import wait_for_parts, write_part
 from storage.policies import (
     chain,
     load_policy_weights,
     prune_policies,
-    wait_for_parts,
     write_delta_file,
-    write_part,
 )
 from storage.store import ObjectStore
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.trainer.publish import assign_owners
+from engine.trainer.owners import assign_owners
 
 
 def test_every_tensor_has_one_owner_and_the_ranks_share_the_bytes() -> None:
