@@ -53,6 +53,19 @@ class Fence:
         handle = optimizer.register_step_pre_hook(before_step)
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the device: gathered from its shards (collective) when it has any.
+
+    On a one-rank mesh the local shard is the whole tensor; `full_tensor` would still plan and
+    run a gather, ~0.3 ms of host time a tensor, 0.2 s for a 0.6B model's weights and moments.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device_mesh.size() == 1:
+        return tensor.to_local()
+    return tensor.full_tensor()
+
+
 class HostCopies:
     """The host copies this rank keeps of the tensors passed to `add`."""
 
@@ -81,7 +94,7 @@ class HostCopies:
         """Gather `tensor` (collective for a DTensor); keep a copy, cast on the device to
         `dtype`, when `keep`."""
         with self._on_side_stream():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = _whole(tensor)
             self.sizes[name] = full.numel() * (dtype or full.dtype).itemsize
             if keep:
                 full = full.detach().to(dtype or full.dtype)
