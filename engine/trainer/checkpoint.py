@@ -161,22 +161,24 @@ def snapshot_state(
     device. Copies, not views: training goes on while a thread writes them.
     """
     rank, world = dist_info.rank, dist_info.world_size
+    # What reads a result on the host (the collectives, naming the optimizer state) comes
+    # before any copy is queued, so none of it can make the host wait for the copies.
+    rng_states: list[dict[str, torch.Tensor] | None] = [None] * world
+    dist.all_gather_object(rng_states, _rng_state(dist_info.device))
+    uid = shared_uid(dist_info)
+    optim_state = _optimizer_state_dict(policy, optimizer)
     copies = HostCopies(dist_info)
     files: dict[str, str] = {}
     for name, tensor in params:
         owner = owners.get(name, 0)
         copies.add(name, tensor, keep=owner == rank, dtype=torch.float32)
         files[name] = state_file(WEIGHTS_STEM, owner, world)
-    optim_state = _optimizer_state_dict(policy, optimizer)
     for param, values in optim_state["state"].items():
         owner = owners.get(param, 0)
         for name, value in values.items():
             key = f"{OPTIMIZER_PREFIX}{param}/{name}"
             copies.add(key, value, keep=owner == rank)
             files[key] = state_file(TRAINER_STATE_STEM, owner, world)
-    rng_states: list[dict[str, torch.Tensor] | None] = [None] * world
-    dist.all_gather_object(rng_states, _rng_state(dist_info.device))
-    uid = shared_uid(dist_info)
     tensors, fence = copies.done()
     weights = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
     trainer_tensors = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
