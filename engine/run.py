@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import PrimeflowConfig
+from engine.config.run import StorageConfig
+from storage.backends import split_uri
 from storage.layout import RunLayout, run_uri
 from storage.manifest import write_manifest
 from storage.store import ObjectStore
@@ -22,16 +24,30 @@ class Run:
     layout: RunLayout
 
 
-def run_store(config: PrimeflowConfig) -> ObjectStore:
-    """The store rooted at `<storage.uri>/<run.name>`; credentials stay in the environment."""
-    storage = config.storage
+def store_at(uri: str, storage: StorageConfig) -> ObjectStore:
+    """A store rooted at `uri` with the run's storage settings; credentials stay in the
+    environment.
+
+    Every store a run opens (its root, a checkpoint or policy version named by URI, a
+    recorded run to reproduce) goes through here, so none falls back to a default endpoint:
+    an S3-compatible server named by `storage.endpoint_url` is the one every process talks
+    to. The endpoint and region apply where `uri` is the same kind of store as
+    `storage.uri`; retries everywhere.
+    """
+    protocol = split_uri(uri)[0]
+    applies = protocol in ("s3", "gs") and protocol == split_uri(storage.uri)[0]
     return ObjectStore(
-        run_uri(storage.uri, config.run.name),
-        endpoint_url=storage.endpoint_url,
-        region=storage.region,
+        uri,
+        endpoint_url=storage.endpoint_url if applies else None,
+        region=storage.region if applies else None,
         retries=storage.retries,
         backoff_s=storage.backoff_s,
     )
+
+
+def run_store(config: PrimeflowConfig) -> ObjectStore:
+    """The store rooted at `<storage.uri>/<run.name>`."""
+    return store_at(run_uri(config.storage.uri, config.run.name), config.storage)
 
 
 def primeflow_home() -> Path:

@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config import ConfigError, PrimeflowConfig, with_overrides
-from storage.errors import ObjectNotFoundError
+from engine.config.run import StorageConfig
+from engine.run import store_at
+from storage.errors import ObjectNotFoundError, StorageError
 from storage.layout import RunLayout
 from storage.manifest import (
     REDACTED,
@@ -28,7 +30,6 @@ from storage.manifest import (
     package_versions,
     read_manifest,
 )
-from storage.store import ObjectStore
 
 #: The flows a manifest's `command` can name, and the `primeflow` command that runs each.
 FLOW_COMMANDS = {"post-train": "pipeline", "sft": "sft", "rl": "rl"}
@@ -75,8 +76,13 @@ def next_run_name(config: PrimeflowConfig, old: str) -> str:
     raise ConfigError(f"{old} has been reproduced {MAX_REPRODUCTIONS} times; pass --run.name")
 
 
-def rebuild_config(manifest: Mapping[str, Any], run_name: str | None) -> PrimeflowConfig:
-    """The recorded config under a new run name, with the recorded run as its parent."""
+def rebuild_config(
+    manifest: Mapping[str, Any],
+    run_name: str | None,
+    overrides: Mapping[str, Any] | None = None,
+) -> PrimeflowConfig:
+    """The recorded config under a new run name, with the recorded run as its parent, and
+    `overrides` (dotted keys) applied."""
     recorded = manifest["config"]
     for path in scrubbed_strings(unscrub(recorded)):
         print(
@@ -85,7 +91,8 @@ def rebuild_config(manifest: Mapping[str, Any], run_name: str | None) -> Primefl
             file=sys.stderr,
         )
     config = with_overrides(
-        PrimeflowConfig.model_validate(unscrub(recorded)), {"run.parent": manifest["run_uri"]}
+        PrimeflowConfig.model_validate(unscrub(recorded)),
+        {"run.parent": manifest["run_uri"], **(overrides or {})},
     )
     name = run_name or next_run_name(config, config.run.name)
     return with_overrides(config, {"run.name": name})
@@ -118,14 +125,28 @@ def main(argv: list[str], dry_run: bool) -> int:
     parser = argparse.ArgumentParser(prog="primeflow reproduce", description=__doc__)
     parser.add_argument("manifest_uri", help="<run>/manifest.json or the run root (any store)")
     parser.add_argument("--run.name", dest="run_name", help="default: <old>-repro-<n>")
+    parser.add_argument(
+        "--storage.endpoint-url",
+        dest="endpoint_url",
+        help="the S3-compatible endpoint of the store the run is in (AWS_ENDPOINT_URL if unset); "
+        "the reproduction uses it too",
+    )
+    parser.add_argument("--storage.region", dest="region", help="its region, likewise")
     args = parser.parse_args(argv)
     root = run_root(args.manifest_uri)
+    given = {"endpoint_url": args.endpoint_url, "region": args.region}
+    given = {key: value for key, value in given.items() if value is not None}
     try:
-        manifest = read_manifest(ObjectStore(root))
+        manifest = read_manifest(store_at(root, StorageConfig(uri=root, **given)))
     except ObjectNotFoundError:
         print(f"primeflow reproduce: no manifest at {root}/{RunLayout.MANIFEST}", file=sys.stderr)
         return 1
-    config = rebuild_config(manifest, args.run_name)
+    except (StorageError, ValueError) as exc:
+        print(f"primeflow reproduce: cannot read {root}: {exc}", file=sys.stderr)
+        return 1
+    config = rebuild_config(
+        manifest, args.run_name, {f"storage.{key}": value for key, value in given.items()}
+    )
     for difference in differences(manifest):
         print(f"primeflow reproduce: warning: {difference}", file=sys.stderr)
     if dry_run:

@@ -32,11 +32,12 @@ from storage.commit import (
     check_digest,
     commit_step,
     digest_bytes,
+    digest_file,
     download_hashed,
     read_commit,
     write_hashed,
 )
-from storage.errors import CorruptObjectError, ObjectNotFoundError
+from storage.errors import CorruptObjectError, NotCommittedError, ObjectNotFoundError
 from storage.layout import RunLayout
 from storage.paths import clean_path, join
 from storage.retention import prune_steps
@@ -226,6 +227,24 @@ def _local_record(local_dir: Path) -> CommitRecord | None:
     if not marker.is_file():
         return None
     return CommitRecord.from_json(marker.as_uri(), marker.read_bytes())
+
+
+def verify_local_checkpoint(folder: Path) -> CommitRecord:
+    """Check a committed step folder on local disk against its marker, file by file, before it
+    is served where it lies (`file://` runs are not fetched, so nothing else hashes them): a
+    changed or missing file is a `CorruptObjectError` naming it. Trainer state is skipped
+    (servers never read it)."""
+    record = _local_record(folder)
+    if record is None:
+        raise NotCommittedError(folder.as_uri(), f"no {MARKER}")
+    for name, expected in sorted(record.files.items()):
+        if _is_trainer_file(name):
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise CorruptObjectError(path.as_uri(), f"listed in {MARKER} but missing")
+        check_digest(path.as_uri(), digest_file(path, expected.algorithm), expected)
+    return record
 
 
 def _fetch_verified(

@@ -27,7 +27,7 @@ def log_dir(config: PrimeflowConfig):
 def start_inference_pool(config: PrimeflowConfig) -> InferencePool:
     """Start every vLLM server of the pool and record their process groups."""
     directory = log_dir(config)
-    pool = InferencePool(config.inference, log_dir=directory, revision=config.model.revision)
+    pool = InferencePool.for_run(config, directory)
     pool.start()
     for name, pgid in pool.process_groups.items():
         record_group(directory, name, pgid)

@@ -3,8 +3,8 @@
 vLLM workers load weights from a local path. A checkpoint named by a remote URI (`s3://...`,
 `gs://...`, `memory://...`) is fetched with the storage layer's `fetch_checkpoint` (every file
 verified against the step's `_COMMITTED` marker, trainer state left behind, the folder swapped
-in whole) into a cache folder named by the URI's hash; a `file://` URI or a bare path is used
-where it lies.
+in whole) into a cache folder named by the URI's hash; a `file://` URI is used where it lies,
+once every file has been checked against the marker; a bare path (a model folder) as it is.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import json
 import os
 from pathlib import Path
 
+from engine.config.run import StorageConfig
 from engine.inference.reload_ext import read_signature, signature_mismatch
+from engine.run import store_at
 from storage.backends import split_uri
-from storage.checkpoints import fetch_checkpoint
+from storage.checkpoints import fetch_checkpoint, verify_local_checkpoint
 from storage.commit import MARKER
-from storage.errors import NotCommittedError
+from storage.errors import CorruptObjectError, NotCommittedError
 from storage.layout import RunLayout
 from storage.policies import chain
 from storage.store import ObjectStore
@@ -47,8 +49,11 @@ def _split(location: str) -> tuple[str, str, int] | None:
     return None
 
 
-def version_chain(location: str, held_uid: str | None) -> list[str]:
-    """The locations to load, in order, to serve `location`, holding version `held_uid`.
+def version_chain(
+    location: str, held_uid: str | None, storage: StorageConfig | None = None
+) -> list[str]:
+    """The locations to load, in order, to serve `location`, holding version `held_uid`
+    (read with the run's `storage` settings).
 
     A policy version's chain (`storage.policies.chain`): a full version and the deltas after
     it, or only the deltas after the held one (empty when `location` is the held version).
@@ -59,7 +64,7 @@ def version_chain(location: str, held_uid: str | None) -> list[str]:
         return [location]
     root = split[0]
     try:
-        versions = chain(ObjectStore(root), split[2], held_uid=held_uid)
+        versions = chain(_store(root, storage), split[2], held_uid=held_uid)
     except NotCommittedError as exc:
         raise CheckpointError(f"policy version {location} is not committed") from exc
     except ValueError as exc:
@@ -72,7 +77,11 @@ def fetched_dir(cache_dir: Path) -> Path:
     return cache_dir / "checkpoints"
 
 
-def _fetch(uri: str, cache_dir: Path) -> Path:
+def _store(root: str, storage: StorageConfig | None) -> ObjectStore:
+    return store_at(root, storage or StorageConfig(uri=root))
+
+
+def _fetch(uri: str, cache_dir: Path, storage: StorageConfig | None) -> Path:
     """Download the committed checkpoint at `uri` into the cache (reused when already there)."""
     split = _split(uri)
     if split is None:
@@ -82,20 +91,28 @@ def _fetch(uri: str, cache_dir: Path) -> Path:
     root, parent, step = split
     target = fetched_dir(cache_dir) / hashlib.sha256(uri.encode()).hexdigest()[:16]
     target.parent.mkdir(parents=True, exist_ok=True)
-    return fetch_checkpoint(ObjectStore(root), step, target, parent=parent)
+    return fetch_checkpoint(_store(root, storage), step, target, parent=parent)
 
 
-def local_checkpoint(checkpoint: str | os.PathLike[str], cache_dir: Path) -> Path:
-    """A local folder holding `checkpoint` (a path or a storage URI of a committed step)."""
+def local_checkpoint(
+    checkpoint: str | os.PathLike[str], cache_dir: Path, storage: StorageConfig | None = None
+) -> Path:
+    """A local folder holding `checkpoint` (a path or a storage URI of a committed step,
+    fetched with the run's `storage` settings)."""
     location = os.fspath(checkpoint)
     protocol, path = split_uri(location)
     if protocol != "file":
-        return _fetch(location, cache_dir)
+        return _fetch(location, cache_dir, storage)
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint {location} does not exist")
-    if location.startswith("file://") and not (folder / MARKER).is_file():
-        raise CheckpointError(f"checkpoint {location} is not committed (no {MARKER})")
+    if location.startswith("file://"):
+        if not (folder / MARKER).is_file():
+            raise CheckpointError(f"checkpoint {location} is not committed (no {MARKER})")
+        try:
+            verify_local_checkpoint(folder)
+        except CorruptObjectError as exc:
+            raise CheckpointError(f"checkpoint {location} is damaged: {exc}") from None
     return folder
 
 

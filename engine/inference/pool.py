@@ -24,7 +24,9 @@ from typing import Any
 
 import httpx
 
+from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
+from engine.config.run import StorageConfig
 from engine.inference.checkpoints import (
     check_compatible,
     checkpoint_step,
@@ -75,13 +77,17 @@ class InferencePool:
         log_dir: Path,
         cache_dir: Path | None = None,
         revision: str | None = None,
+        storage: StorageConfig | None = None,
     ) -> None:
+        """`storage` is the run's: policy versions and checkpoints named by URI are read
+        with its endpoint and region."""
         if config.model is None:
             raise ValueError("inference.model is not set (it is filled from model.name)")
         self.config = config
         self.log_dir = Path(log_dir)
         self.cache_dir = cache_dir or default_cache_dir()
         self.revision = revision
+        self.storage = storage
         key = config.api_key.get_secret_value() if config.api_key else None
         self.api_key = key or secrets.token_urlsafe(32)
         self.device = _detect_device() if config.device == "auto" else config.device
@@ -101,6 +107,16 @@ class InferencePool:
         self.verified_tensors = 0
         self._pipe_write: int | None = None
         self._pipe_read: int | None = None
+
+    @classmethod
+    def for_run(cls, config: PrimeflowConfig, log_dir: Path) -> InferencePool:
+        """The pool of a run: its inference settings, model revision and storage."""
+        return cls(
+            config.inference,
+            log_dir=log_dir,
+            revision=config.model.revision,
+            storage=config.storage,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -300,7 +316,8 @@ class InferencePool:
     def _local_chain(self, location: str, held_uid: str | None) -> list[Path]:
         """Local folders of `location`'s chain, full ones checked against the served model."""
         folders = [
-            local_checkpoint(entry, self.cache_dir) for entry in version_chain(location, held_uid)
+            local_checkpoint(entry, self.cache_dir, self.storage)
+            for entry in version_chain(location, held_uid, self.storage)
         ]
         for folder in folders:
             if not is_delta(commit_meta(folder)):

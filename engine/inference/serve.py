@@ -41,7 +41,7 @@ def serve_forever(config: PrimeflowConfig, out: TextIO = sys.stdout) -> int:
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     log_dir = local_run_dir(config) / RunLayout.LOGS
-    pool = InferencePool(config.inference, log_dir=log_dir, revision=config.model.revision)
+    pool = InferencePool.for_run(config, log_dir)
     try:
         try:
             pool.start()

@@ -59,11 +59,7 @@ def policy_pool(config: PrimeflowConfig, pool: InferencePool | None) -> Iterator
     if pool is not None:
         yield pool
         return
-    with InferencePool(
-        config.inference,
-        log_dir=local_run_dir(config) / RunLayout.LOGS,
-        revision=config.model.revision,
-    ) as started:
+    with InferencePool.for_run(config, local_run_dir(config) / RunLayout.LOGS) as started:
         yield started
 
 

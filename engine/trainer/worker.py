@@ -190,7 +190,9 @@ def build_trainer(
     )
     weights = trainer_config.model
     if trainer_config.init_checkpoint is not None:
-        weights = str(local_checkpoint(trainer_config.init_checkpoint, default_cache_dir()))
+        weights = str(
+            local_checkpoint(trainer_config.init_checkpoint, default_cache_dir(), config.storage)
+        )
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)

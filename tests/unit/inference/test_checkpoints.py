@@ -21,7 +21,7 @@ from engine.inference.checkpoints import (
 from engine.inference.reload_ext import read_signature, signature_mismatch
 from engine.models.tiny import TinyModelSpec, write_tiny_model
 from storage.checkpoints import write_checkpoint
-from storage.commit import MARKER, commit_step
+from storage.commit import commit_step
 from storage.errors import CorruptObjectError, NotCommittedError
 from storage.store import ObjectStore
 
@@ -62,8 +62,27 @@ def test_file_uris_must_be_committed(models: dict[str, Path], tmp_path: Path) ->
     folder = shutil.copytree(models["tied"], tmp_path / "step_000001")
     with pytest.raises(CheckpointError, match="not committed"):
         local_checkpoint(f"file://{folder}", tmp_path)
-    (folder / MARKER).write_text("{}")
+    names = sorted(p.name for p in folder.iterdir())
+    commit_step(ObjectStore(f"file://{tmp_path}"), folder.name, names, step=1)
     assert local_checkpoint(f"file://{folder}", tmp_path) == folder
+
+
+def test_a_damaged_file_uri_checkpoint_is_refused_naming_the_file(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Served in place, so checked in place: 4 KiB flipped, then a file deleted."""
+    folder = shutil.copytree(models["tied"], tmp_path / "step_000001")
+    names = sorted(p.name for p in folder.iterdir())
+    commit_step(ObjectStore(f"file://{tmp_path}"), folder.name, names, step=1)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4096:] = bytes(b ^ 0xFF for b in data[-4096:])
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"damaged.*model\.safetensors"):
+        local_checkpoint(f"file://{folder}", tmp_path)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*missing"):
+        local_checkpoint(f"file://{folder}", tmp_path)
 
 
 def test_remote_checkpoints_are_fetched_once_and_verified(
