@@ -112,10 +112,12 @@ def main(argv: list[str], dry_run: bool) -> int:
         return 0
     from flows.server import ensure_api_url
 
-    ensure_api_url()
+    api_url = ensure_api_url()
     names = deploy(args.prefect_file)
     print("deployments:", ", ".join(names))
     pools = " ".join(sorted(work_pools(read_deployments(args.prefect_file))))
     root = args.prefect_file.parent.parent
+    # Without it the Prefect CLI starts an ephemeral server that knows none of these.
+    print(f"point the Prefect CLI at this server: export PREFECT_API_URL={api_url}")
     print(f"start a worker from {root}: prefect worker start --pool {pools}")
     return 0

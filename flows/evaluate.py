@@ -1,7 +1,10 @@
 """The `evaluate` flow: one committed checkpoint (the latest by default) on the eval splits.
 
 Deployments run it on a schedule and on every `primeflow.checkpoint.committed` event, whose
-payload names the run, stage and step.
+payload names the run, its root, the stage and the step. Given the root, the flow evaluates the
+run as the run recorded itself (its manifest's config: its store, model and environments, not
+the deployment's) and writes the results under their own eval name, `<stage>-step-<N>`, beside
+the run's own evaluations rather than over them.
 """
 
 from __future__ import annotations
@@ -11,13 +14,39 @@ from typing import Any
 from prefect import flow
 
 from engine.config import PrimeflowConfig
-from engine.run import open_run
+from engine.config.run import StorageConfig
+from engine.run import open_run, run_store, store_at
 from engine.trainer.pool import Stage
 from flows.pipeline import flow_run_name, metrics_sink, resolve
+from flows.reproduce import recorded_config
 from storage.commit import latest_committed_step
+from storage.errors import ObjectNotFoundError
+from storage.layout import RunLayout
+from storage.manifest import read_manifest
 from tasks.hooks import kill_pools_on_exit
 from tasks.pools import inference_pool
 from tasks.stages import CHECKPOINT_PARENTS, evaluate_checkpoint
+
+
+def run_config_at(root: str, storage: StorageConfig) -> PrimeflowConfig:
+    """The config the run at `root` recorded (read with `storage`'s endpoint and region)."""
+    store = store_at(root, storage.model_copy(update={"uri": root}))
+    try:
+        manifest = read_manifest(store)
+    except ObjectNotFoundError:
+        raise ValueError(f"no run at {root}: {store.url(RunLayout.MANIFEST)} is missing") from None
+    config = recorded_config(manifest)
+    if run_store(config).url() != store.url():
+        raise ValueError(f"the manifest at {root} is run {config.run.name!r} of another root")
+    return config
+
+
+def default_eval_name(stage: Stage, step: int | None, *, triggered: bool) -> str:
+    """`base` without a checkpoint; a triggered evaluation's own `<stage>-step-<N>`; else the
+    stage (what the pipeline's own evaluation writes)."""
+    if step is None:
+        return "base"
+    return f"{stage}-step-{step}" if triggered else stage
 
 
 @flow(
@@ -32,12 +61,18 @@ def evaluate(
     run: str | None = None,
     stage: Stage = "rl",
     step: int | None = None,
+    root: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate checkpoint `step` (default: the latest) of `stage` of run `run`."""
-    config = resolve(config, {**(overrides or {}), **({"run.name": run} if run else {})})
-    store = open_run(config, command=["prefect", "evaluate"]).store
+    """Evaluate checkpoint `step` (default: the latest) of `stage` of run `run`, or of the run
+    at `root` (a checkpoint event's)."""
+    if root is None:
+        config = resolve(config, {**(overrides or {}), **({"run.name": run} if run else {})})
+        store = open_run(config, command=["prefect", "evaluate"]).store
+    else:
+        config = resolve(run_config_at(root, config.storage), overrides or {})
+        store = run_store(config)
     if step is None:
         step = latest_committed_step(store, CHECKPOINT_PARENTS[stage])
-    name = config.eval.name or (stage if step is not None else "base")
+    name = config.eval.name or default_eval_name(stage, step, triggered=root is not None)
     with metrics_sink(config) as sink, inference_pool(config) as pool:
         return evaluate_checkpoint(config, pool, name=name, stage=stage, step=step, sink=sink)

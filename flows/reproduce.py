@@ -76,6 +76,11 @@ def next_run_name(config: PrimeflowConfig, old: str) -> str:
     raise ConfigError(f"{old} has been reproduced {MAX_REPRODUCTIONS} times; pass --run.name")
 
 
+def recorded_config(manifest: Mapping[str, Any]) -> PrimeflowConfig:
+    """The config a run recorded in its manifest, each scrubbed secret unset."""
+    return PrimeflowConfig.model_validate(unscrub(manifest["config"]))
+
+
 def rebuild_config(
     manifest: Mapping[str, Any],
     run_name: str | None,
@@ -91,8 +96,7 @@ def rebuild_config(
             file=sys.stderr,
         )
     config = with_overrides(
-        PrimeflowConfig.model_validate(unscrub(recorded)),
-        {"run.parent": manifest["run_uri"], **(overrides or {})},
+        recorded_config(manifest), {"run.parent": manifest["run_uri"], **(overrides or {})}
     )
     name = run_name or next_run_name(config, config.run.name)
     return with_overrides(config, {"run.name": name})

@@ -8,6 +8,7 @@ off, bound to loopback) that later commands find through `<home>/server.json` an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -54,11 +55,15 @@ def prefect_home(home: Path | None = None) -> Path:
     return (home or primeflow_home()) / "prefect"
 
 
-def server_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of the server process: its own home and database, no telemetry."""
+def server_env(home: Path, api_url: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the server process: its own home and database, no telemetry, and
+    its own API as the one its UI talks to (an inherited `PREFECT_API_URL` would point the UI
+    at another server's runs)."""
     return {
         **os.environ,
         **(extra or {}),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_UI_API_URL": api_url,
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
@@ -140,6 +145,7 @@ def start(
             f"PREFECT_API_URL=http://{host}:{port}/api or pick another --port"
         )
     log = home / LOG_FILE
+    state = ServerState(pid=0, host=host, port=port, started_at=time.time())
     with log.open("ab") as out:
         process = subprocess.Popen(
             [
@@ -156,10 +162,10 @@ def start(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(home, env),
+            env=server_env(home, state.api_url, env),
             start_new_session=True,
         )
-    state = ServerState(pid=process.pid, host=host, port=port, started_at=time.time())
+    state = dataclasses.replace(state, pid=process.pid)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

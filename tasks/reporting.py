@@ -57,11 +57,12 @@ def run_resource(run_name: str, stage: str) -> dict[str, str]:
     }
 
 
-def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str) -> None:
+def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str, root: str) -> None:
+    """`root` is the run's root URI: a triggered evaluation reads the run from there."""
     emit_event(
         CHECKPOINT_EVENT,
         resource=run_resource(run_name, stage),
-        payload={"run": run_name, "stage": stage, "step": step, "uri": uri},
+        payload={"run": run_name, "stage": stage, "step": step, "uri": uri, "root": root},
     )
 
 
@@ -154,7 +155,7 @@ class StageMonitor:
         for step in sorted(committed - self.checkpoints):
             self.checkpoints.add(step)
             uri = self.store.url(join(self.checkpoint_parent, RunLayout.step_name(step)))
-            emit_checkpoint_event(self.run_name, self.stage, step, uri)
+            emit_checkpoint_event(self.run_name, self.stage, step, uri, self.store.url())
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
         """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""

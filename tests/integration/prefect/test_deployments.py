@@ -95,13 +95,20 @@ def test_checkpoint_event_triggers_an_evaluation(deployed: dict[str, Any]) -> No
     emit_event(
         CHECKPOINT_EVENT,
         resource=run_resource("trigger-test", "rl"),
-        payload={"run": "trigger-test", "stage": "rl", "step": 3, "uri": "file:///x"},
+        payload={
+            "run": "trigger-test",
+            "stage": "rl",
+            "step": 3,
+            "uri": "s3://b/runs/trigger-test/checkpoints/step_000003",
+            "root": "s3://b/runs/trigger-test",
+        },
     )
     runs = _wait_for_runs(on_checkpoint.id)
     assert runs, "the checkpoint event triggered no evaluation run"
     parameters = runs[0].parameters
     assert parameters["run"] == "trigger-test"
     assert str(parameters["step"]) == "3" and parameters["stage"] == "rl"
+    assert parameters["root"] == "s3://b/runs/trigger-test"
 
 
 def test_server_rejects_an_invalid_parameter_naming_the_field(deployed: dict[str, Any]) -> None:

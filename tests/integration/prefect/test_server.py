@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -21,10 +22,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def primeflow(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def primeflow(home: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("primeflow")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env["PRIMEFLOW_HOME"] = str(home)
+    env.update(PRIMEFLOW_HOME=str(home), **extra)
     return subprocess.run(
         [str(exe), "server", *args], capture_output=True, text=True, timeout=180, env=env
     )
@@ -32,10 +33,13 @@ def primeflow(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_start_reuse_status_stop(tmp_path: Path) -> None:
     port = str(free_port())
-    started = primeflow(tmp_path, "start", "--port", port)
+    # A PREFECT_API_URL left over from another server must not become the UI's API.
+    started = primeflow(tmp_path, "start", "--port", port, PREFECT_API_URL="http://127.0.0.1:9/api")
     assert started.returncode == 0, started.stderr
     assert f"http://127.0.0.1:{port}" in started.stdout
     try:
+        ui = httpx.get(f"http://127.0.0.1:{port}/ui-settings", timeout=10).json()
+        assert ui["api_url"] == f"http://127.0.0.1:{port}/api", ui
         first = json.loads(primeflow(tmp_path, "status").stdout)
         assert first["running"] and first["healthy"]
         assert Path(first["prefect_home"]) == tmp_path / "prefect"

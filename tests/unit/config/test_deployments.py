@@ -29,4 +29,4 @@ def test_deployments_name_flows_that_exist() -> None:
     assert by_name["scheduled"]["schedules"][0]["active"] is False
     trigger = by_name["on-checkpoint"]["triggers"][0]
     assert trigger["expect"] == ["primeflow.checkpoint.committed"]
-    assert set(trigger["parameters"]) == {"run", "stage", "step"}
+    assert set(trigger["parameters"]) == {"run", "stage", "step", "root"}
