@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 
 from engine.config import ConfigError, PrimeflowConfig, load_config
+from engine.preflight import preflight
 from flows.deploy import DeployError
 from flows.server import ServerError
 
@@ -128,6 +129,17 @@ def _server(argv: list[str], dry_run: bool) -> int:
     return 0
 
 
+#: Commands that run the SFT stage (its data is checked before they start).
+SFT_COMMANDS = ("pipeline", "sft")
+
+
+def check_machine(config: PrimeflowConfig, *, sft: bool) -> None:
+    """`ConfigError` (one line) for what this machine lacks: found before any pool starts."""
+    problems = preflight(config, sft=sft and config.sft.enabled)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 COMMANDS: dict[str, Command] = {
     "pipeline": Command(
         "SFT warm-up → async RL → evaluation (the main job)", run=_flow_runner("post-train")
@@ -182,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command.run_plain(rest, dry_run)
         assert command.run is not None
         config = load_config(rest, prog=f"primeflow {name}")
+        check_machine(config, sft=name in SFT_COMMANDS)
         if dry_run:
             print(json.dumps(config.model_dump(mode="json"), indent=2))
             return 0

@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from engine.config import PrimeflowConfig, with_overrides
+from engine.preflight import preflight
 from engine.report import write_run_report
 from engine.run import local_run_dir, open_run
 from engine.wandb_sink import WandbSink, wandb_sink
@@ -26,14 +27,27 @@ from tasks.stages import evaluate_checkpoint, rl_loop, sft_warmup
 
 
 def resolve(config: PrimeflowConfig, overrides: dict[str, Any] | None) -> PrimeflowConfig:
-    """Apply overrides; a run without a name takes its flow run's, so a retry resumes it."""
-    return config_of_run(
+    """Apply overrides; a run without a name takes its flow run's, so a retry resumes it.
+
+    What this machine lacks (a model folder, an environment package, a data file) fails the
+    flow here, in one line, before any task starts a pool.
+    """
+    config = config_of_run(
         flow_run.flow_name, flow_run.name, {"config": config, "overrides": overrides}
     )
+    sft = flow_run.flow_name in ("post-train", "sft") and config.sft.enabled
+    problems = preflight(config, sft=sft)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return config
 
 
 def flow_run_name() -> str:
-    """The config's run name when the user gave one, else Prefect's generated name."""
+    """The run name the user gave (through `overrides`, as the docs show, or in the config),
+    else Prefect's generated name."""
+    overrides = flow_run.parameters.get("overrides")
+    if isinstance(overrides, dict) and overrides.get("run.name"):
+        return str(overrides["run.name"])
     config = flow_run.parameters.get("config")
     if isinstance(config, dict):
         name = (config.get("run") or {}).get("name")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 from pydantic import Field
@@ -32,3 +33,10 @@ class ModelConfig(BaseConfig):
     trust_remote_code: Annotated[
         bool, Field(description="Allow the model's own Python code from the hub.")
     ] = False
+
+
+def looks_like_path(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else (or anything that exists) is a path."""
+    if os.path.exists(name):
+        return True
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1

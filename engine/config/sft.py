@@ -53,3 +53,7 @@ class SftConfig(BaseConfig):
             "(retention follows trainer.checkpoint).",
         ),
     ] = 50
+
+
+#: File types `sft.data.path` is read as (any other name is a hub dataset).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".feather", ".ipc")

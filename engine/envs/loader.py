@@ -29,24 +29,33 @@ def module_name(env_id: str) -> str:
     return BUILTIN_ENVS.get(env_id) or env_id.split("@", 1)[0].replace("-", "_")
 
 
-def _import(env_id: str) -> ModuleType:
+def module_candidates(env_id: str) -> list[str]:
+    """The modules `env_id` may name, in the order they are tried."""
     name = module_name(env_id)
-    candidates = [name] if "." in name else [name, f"{_V1_TASKSETS}.{name}"]
-    for candidate in candidates:
+    return [name] if "." in name else [name, f"{_V1_TASKSETS}.{name}"]
+
+
+def not_found(env_id: str) -> ValueError:
+    return ValueError(
+        f"environment {env_id!r} not found: no module {module_name(env_id)!r} is installed. Use "
+        f"a built-in ({', '.join(BUILTIN_ENVS)}) or install the environment package into this venv"
+    )
+
+
+def import_environment(env_id: str) -> ModuleType:
+    """The module environment `env_id` names; `ValueError` naming it when none is installed."""
+    for candidate in module_candidates(env_id):
         try:
             return importlib.import_module(candidate)
         except ModuleNotFoundError as exc:
             if exc.name != candidate and not candidate.startswith(f"{exc.name}."):
                 raise  # the module exists but one of its own imports is missing
-    raise ValueError(
-        f"environment {env_id!r} not found: no module {name!r} is installed. Use a built-in "
-        f"({', '.join(BUILTIN_ENVS)}) or install the environment package into this venv"
-    )
+    raise not_found(env_id)
 
 
 def load_environment(config: EnvConfig) -> Environment:
     """The configured environment, wrapped so callers never see verifiers types."""
-    module = _import(config.id)
+    module = import_environment(config.id)
     name = config.name or config.id
     if hasattr(module, "load_environment"):
         from engine.envs.classic import ClassicEnvironment, no_signal_handlers

@@ -10,21 +10,14 @@ error or a multi-paragraph OSError that never says which folder was wrong.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from engine.config.model import looks_like_path
 from engine.models.tiny import BUILTIN_MODELS, cached_tiny_model
 
 
 class ModelPathError(FileNotFoundError):
     """A model named by a local path that does not exist or is not a model folder."""
-
-
-def looks_like_path(name: str) -> bool:
-    """Hub ids are `name` or `org/name`; anything else (or anything that exists) is a path."""
-    if os.path.exists(name):
-        return True
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> str:

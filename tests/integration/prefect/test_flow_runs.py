@@ -152,6 +152,7 @@ def test_cancelling_a_run_leaves_no_pool_process(worker: Path, tmp_path: Path) -
         600,
         "the inference and trainer pools to start",
     )
+    assert read_run(flow_run_id).name == "cancel-me"  # run.name given through overrides
 
     async def cancel() -> None:
         async with get_client() as client:

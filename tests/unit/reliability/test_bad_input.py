@@ -86,6 +86,8 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("config-file-missing", None, ["@", "/nonexistent/x.toml"], r"/nonexistent/x\.toml: config file not found"),
     ("config-file-not-toml", None, ["@", "{json}"], r"{json}: config files must be TOML \(\.toml\)"),
     ("config-at-without-file", None, ["@"], r"'@' must be followed by a config file path"),
+    ("preflight-model-folder", None, ["--model.name", "./no-such-model"], r"model\.name: model path \./no-such-model does not exist"),
+    ("preflight-env-not-installed", '[[orchestrator.envs]]\nid = "no-such-env"', [], r"orchestrator\.envs\[0\]\.id: environment 'no-such-env' not found: no module 'no_such_env' is installed\."),
 ]  # fmt: skip
 
 

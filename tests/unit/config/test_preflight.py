@@ -1,0 +1,43 @@
+"""What a config needs of this machine is checked before any pool starts, one line per problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import PrimeflowConfig, with_overrides
+from engine.preflight import preflight
+
+
+def test_the_default_config_passes() -> None:
+    assert preflight(PrimeflowConfig()) == []
+
+
+def test_each_missing_piece_is_named_by_its_key(tmp_path: Path) -> None:
+    (tmp_path / "empty-model").mkdir()
+    config = with_overrides(
+        PrimeflowConfig(),
+        {
+            "model.name": str(tmp_path / "empty-model"),
+            "eval.envs": [{"id": "reverse-text"}, {"id": "not-installed-env"}],
+            "sft.data.path": str(tmp_path / "conversations.jsonl"),
+        },
+    )
+    assert preflight(config) == [
+        f"model.name: model path {tmp_path / 'empty-model'} has no config.json",
+        "eval.envs[1].id: environment 'not-installed-env' not found: no module "
+        "'not_installed_env' is installed. Use a built-in (reverse-text, alphabet-sort, "
+        "arithmetic) or install the environment package into this venv",
+        f"sft.data.path = {tmp_path / 'conversations.jsonl'}: no such file",
+    ]
+    # SFT's data matters only to commands that run SFT; a hub dataset name is not a path.
+    assert len(preflight(config, sft=False)) == 2
+    hub = with_overrides(PrimeflowConfig(), {"sft.data.path": "org/paragraphs-v1"})
+    assert preflight(hub) == []
+
+
+def test_sft_data_from_a_package_must_name_its_function() -> None:
+    config = with_overrides(PrimeflowConfig(), {"sft.data.env": "my-package-env"})
+    assert preflight(config) == [
+        "sft.data.env = 'my-package-env' is not a built-in environment; name a source as "
+        "'package.module:function'"
+    ]
