@@ -38,11 +38,7 @@ from engine.models.tiny import default_cache_dir
 from engine.placement import bind_to_cores
 from engine.run import run_store as open_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
-from engine.trainer.checkpoint import (
-    CheckpointWriter,
-    latest_checkpoint,
-    load_checkpoint,
-)
+from engine.trainer.checkpoint import CheckpointWriter, load_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import LossFn, build_loss, sft_loss
 from engine.trainer.metrics import flops_per_token, measure_bf16_peak
@@ -55,7 +51,8 @@ from engine.trainer.schedule import build_scheduler
 from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
-from storage.commit import committed_steps
+from storage.commit import committed_steps, delete_step
+from storage.errors import CorruptObjectError
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
@@ -151,15 +148,38 @@ class Trainer:
         return step % interval == 0 or step == self.max_steps
 
     def resume(self) -> tuple[int, dict[str, Any]]:
-        """(first step to run, data position) from the newest committed checkpoint."""
-        step = latest_checkpoint(self.store)
-        if step is None:
-            return FIRST_STEP, {}
-        progress = load_checkpoint(
-            self.store, step, self.ctx.policy, self.optimizer, self.scheduler, self.dist
-        )
-        log.info("resumed %s from %s", self.stage, self.store.url(RunLayout.checkpoint_dir(step)))
-        return step + 1, progress
+        """(first step to run, data position) from the newest intact committed checkpoint.
+
+        A checkpoint whose files no longer match its marker is passed over, with a warning, for
+        the one before it (it is verified in full before anything is loaded), and deleted: its
+        steps are trained again, as after any resume from an older checkpoint (RL deletes the
+        policy versions past it), and a committed step could not be written over. When every
+        checkpoint is damaged the stage fails rather than start again from nothing.
+        """
+        damaged: CorruptObjectError | None = None
+        for step in reversed(committed_steps(self.store, RunLayout.CHECKPOINTS)):
+            uri = self.store.url(RunLayout.checkpoint_dir(step))
+            try:
+                progress = load_checkpoint(
+                    self.store, step, self.ctx.policy, self.optimizer, self.scheduler, self.dist
+                )
+            except CorruptObjectError as exc:
+                log.warning("%s: %s is damaged (%s); resuming before it", self.stage, uri, exc)
+                damaged = exc
+                self._delete_damaged(step)
+                continue
+            log.info("resumed %s from %s", self.stage, uri)
+            return step + 1, progress
+        if damaged is not None:
+            raise damaged
+        return FIRST_STEP, {}
+
+    def _delete_damaged(self, step: int) -> None:
+        """Rank 0 deletes damaged checkpoint `step` once every rank has found it so."""
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if self.dist.is_main:
+            delete_step(self.store, RunLayout.checkpoint_dir(step))
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         if self.dist.is_main:

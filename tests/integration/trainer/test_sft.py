@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from engine.config import PrimeflowConfig
 from engine.run import run_store as open_run_store
 from engine.trainer.checkpoint import latest_checkpoint
 from engine.trainer.worker import run_stage, stage_store
+from storage.commit import verify_step
+from storage.layout import RunLayout
 from storage.metrics import read_metrics
+
+
+def local_run_root(tmp_path: Path) -> Path:
+    return tmp_path / "runs" / "sft"
 
 
 def write_data(path: Path, n: int) -> None:
@@ -22,30 +30,31 @@ def write_data(path: Path, n: int) -> None:
             handle.write(json.dumps(row) + "\n")
 
 
+def sft_config(tmp_path: Path, model: Path, max_steps: int) -> PrimeflowConfig:
+    return PrimeflowConfig.model_validate(
+        {
+            "run": {"name": "sft"},
+            "model": {"name": str(model)},
+            "storage": {"uri": f"file://{tmp_path}/runs"},
+            "seq_len": 128,
+            "trainer": {"micro_batch_tokens": 256, "checkpoint": {"keep_last": 2}},
+            "sft": {
+                "data": {"path": str(tmp_path / "data.jsonl"), "eval_fraction": 0.1},
+                "batch_size": 16,
+                "max_steps": max_steps,
+                "eval_interval": 5,
+                "checkpoint_interval": 5,
+                "optim": {"lr": 3e-3, "weight_decay": 0.0},
+            },
+        }
+    )
+
+
 def test_sft_learns_evaluates_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
     write_data(tmp_path / "data.jsonl", 200)
 
     def config(max_steps: int) -> PrimeflowConfig:
-        return PrimeflowConfig.model_validate(
-            {
-                "run": {"name": "sft"},
-                "model": {"name": str(tiny_model_dir)},
-                "storage": {"uri": f"file://{tmp_path}/runs"},
-                "seq_len": 128,
-                "trainer": {
-                    "micro_batch_tokens": 256,
-                    "checkpoint": {"keep_last": 2},
-                },
-                "sft": {
-                    "data": {"path": str(tmp_path / "data.jsonl"), "eval_fraction": 0.1},
-                    "batch_size": 16,
-                    "max_steps": max_steps,
-                    "eval_interval": 5,
-                    "checkpoint_interval": 5,
-                    "optim": {"lr": 3e-3, "weight_decay": 0.0},
-                },
-            }
-        )
+        return sft_config(tmp_path, tiny_model_dir, max_steps)
 
     run_stage(config(10), "sft")
     run_stage(config(20), "sft")  # resumes at step 11 with the data position of step 10
@@ -61,3 +70,23 @@ def test_sft_learns_evaluates_and_resumes(tmp_path: Path, tiny_model_dir: Path) 
     assert latest_checkpoint(sft) == 20
     assert sft.list("checkpoints") == ["step_000015", "step_000020"]  # keep_last = 2
     assert not run.exists("checkpoints")  # RL's checkpoints are a separate series
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_data(tmp_path / "data.jsonl", 200)
+    run_stage(sft_config(tmp_path, tiny_model_dir, 10), "sft")
+    sft = stage_store(open_run_store(sft_config(tmp_path, tiny_model_dir, 10)), "sft")
+    weights = local_run_root(tmp_path) / "sft" / RunLayout.checkpoint_dir(10) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4096:] = bytes(b ^ 0xFF for b in data[-4096:])
+    weights.write_bytes(bytes(data))
+
+    with caplog.at_level(logging.WARNING, logger="primeflow.trainer"):
+        run_stage(sft_config(tmp_path, tiny_model_dir, 12), "sft")
+    assert "step_000010 is damaged" in caplog.text and "model.safetensors" in caplog.text
+    # Steps 6-12 were trained again from checkpoint 5; the damaged one was replaced.
+    assert latest_checkpoint(sft) == 12
+    assert sft.list("checkpoints") == ["step_000010", "step_000012"]
+    verify_step(sft, RunLayout.checkpoint_dir(10))
