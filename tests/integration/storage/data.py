@@ -30,7 +30,7 @@ def rollout_table(rows: int, *, step: int, seq_len: int = 64, seed: int = 0) -> 
     logprobs = np.where(loss_mask, -rng.exponential(0.5, size=tokens), 0.0).astype(np.float32)
     index = np.arange(rows, dtype=np.int64)
     reward = (index % 2).astype(np.float32)
-    metric_keys = pa.array(["lcs", "format"] * rows)
+    metric_keys = pa.array(["reversed_similarity", "format"] * rows)
     metric_values = pa.array(np.tile(np.array([0.5, 1.0], dtype=np.float32), rows))
     metric_offsets = pa.array(np.arange(0, 2 * rows + 1, 2, dtype=np.int32))
     columns = {

@@ -22,7 +22,7 @@ def make_row(index: int, step: int = 3, **changes: Any) -> dict[str, Any]:
         "is_truncated": index % 5 == 0,
         "prompt_text": f"reverse: word{index}",
         "completion_text": f"{index}drow",
-        "metrics": {"lcs": 0.5 + index % 2 / 2, "format": 1.0},
+        "metrics": {"reversed_similarity": 0.5 + index % 2 / 2, "format": 1.0},
     }
     row.update(changes)
     return row

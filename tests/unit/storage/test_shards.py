@@ -32,7 +32,7 @@ def test_round_trip_keeps_every_value(store: ObjectStore) -> None:
     back = read_rollouts(store, 3)
     assert back.schema == ROLLOUT_SCHEMA
     assert back.equals(table)
-    assert back.to_pylist()[1]["metrics"] == [("lcs", 1.0), ("format", 1.0)]
+    assert back.to_pylist()[1]["metrics"] == [("reversed_similarity", 1.0), ("format", 1.0)]
     assert committed_steps(store, RunLayout.ROLLOUTS) == [3]
 
 
