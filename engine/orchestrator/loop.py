@@ -276,16 +276,22 @@ class Orchestrator:
         }
 
     async def _commit(self, step: int, batch: StepBatch, elapsed_s: float) -> None:
+        """Write the step's metric line, then commit its rollouts.
+
+        In that order, so a fault between the two (the run root turning read-only, a kill)
+        leaves a metric line for a step that is redone, and overwritten, on resume; the other
+        order left a committed step without its line, which a resumed run never writes.
+        """
         served = self.server.policy_version
         rows = [self._row(step, sample) for sample in batch.samples]
         meta = {"groups": sum(self.mix.counts), "served_version": served}
-        await asyncio.to_thread(write_rollouts, self.store, step, rows, meta=meta)
         metrics = {
             **step_metrics(batch, served_version=served, elapsed_s=elapsed_s),
             **self._timing,
             "policy/verified_tensors": self.server.verified_tensors,
         }
         await asyncio.to_thread(write_metrics, self.store, METRICS_STAGE, step, metrics)
+        await asyncio.to_thread(write_rollouts, self.store, step, rows, meta=meta)
         self.metrics.append({"step": step, **metrics})
         logger.info(
             "step %d: %d samples, reward %.3f, %.1f samples/s, policy %d (oldest %d)",
