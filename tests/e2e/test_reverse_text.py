@@ -44,8 +44,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(150
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FILES = [ROOT / "configs/reverse_text/pipeline.toml", Path(__file__).with_name("short.toml")]
 PRIMEFLOW = str(Path(sys.executable).with_name("primeflow"))
-#: The training reward's rise that the short run must show: last 10 steps' mean over the first
-#: 5 steps' mean. Measured rises are in tests/e2e/short.toml's header; this is well below them.
+#: The training reward's rise that the short run must show: the least-squares line through
+#: every step's reward, from the first step to the last. Measured rises are in
+#: tests/e2e/short.toml's header; this is well below them.
 MIN_REWARD_RISE = 0.04
 PAGE, EVENTS_PAGE = 200, 50  # the Prefect API's largest pages
 
@@ -186,8 +187,21 @@ def test_rl_raises_the_reward_on_the_training_batches(run: FinishedRun) -> None:
     lines = sorted(read_metrics(run.store, "orchestrator"), key=lambda line: line["step"])
     rewards = [line["reward/mean"] for line in lines]
     assert len(rewards) == run.config.max_steps
-    rise = mean(rewards[-10:]) - mean(rewards[:5])
-    assert rise >= MIN_REWARD_RISE, f"training reward per step: {rewards}"
+    assert fitted_rise(rewards) >= MIN_REWARD_RISE, f"training reward per step: {rewards}"
+
+
+def fitted_rise(values: list[float]) -> float:
+    """How much the least-squares line through `values` (one per step) rises over the run.
+
+    Every step counts, so one lucky or unlucky batch moves it far less than it moves a mean
+    of the first 5 steps (measured per-step noise: ~0.03).
+    """
+    steps = range(len(values))
+    centre, level = mean(steps), mean(values)
+    slope = sum((i - centre) * (v - level) for i, v in zip(steps, values, strict=True)) / sum(
+        (i - centre) ** 2 for i in steps
+    )
+    return slope * (len(values) - 1)
 
 
 def test_no_credential_in_the_run_or_in_prefect(run: FinishedRun) -> None:
