@@ -151,11 +151,6 @@ def write_checkpoint(
     )
 
 
-def weight_shard_name(number: int, total: int) -> str:
-    """The Hugging Face name of weights file `number` (from 1) of `total`."""
-    return f"{WEIGHTS_STEM}-{number:05d}-of-{total:05d}.safetensors"
-
-
 def write_tensor_file(
     store: ObjectStore, step_dir: str, name: str, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, FileDigest]:

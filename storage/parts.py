@@ -70,3 +70,21 @@ def _read_part(store: ObjectStore, path: str) -> dict[str, Any] | None:
         return json.loads(store.read_bytes(path))
     except ObjectNotFoundError:
         return None
+
+
+def gather_parts(
+    store: ObjectStore,
+    step_dir: str,
+    mine: Mapping[str, FileDigest],
+    *,
+    rank: int,
+    world: int,
+    uid: str,
+) -> dict[str, FileDigest] | None:
+    """Rank 0: its files and every other rank's, once all are written (then it commits);
+    other ranks: None, after recording their files as their part of the step written as
+    `uid`."""
+    if rank != 0:
+        write_part(store, step_dir, rank, mine, uid=uid)
+        return None
+    return {**mine, **wait_for_parts(store, step_dir, range(1, world), uid=uid)}

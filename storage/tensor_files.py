@@ -59,6 +59,11 @@ _METADATA = {"format": "pt"}
 _TIED_HEAD_SUFFIX = "lm_head.weight"
 
 
+def shard_file_name(stem: str, number: int, total: int) -> str:
+    """The Hugging Face name of file `number` (from 1) of `total` in the set `stem`."""
+    return f"{stem}-{number:05d}-of-{total:05d}.safetensors"
+
+
 def index_name(stem: str) -> str:
     return f"{stem}.safetensors.index.json"
 
@@ -179,7 +184,7 @@ def encode_tensor_files(
         return
     weight_map: dict[str, str] = {}
     for number, names in enumerate(plan, start=1):
-        file_name = f"{stem}-{number:05d}-of-{len(plan):05d}.safetensors"
+        file_name = shard_file_name(stem, number, len(plan))
         weight_map.update(dict.fromkeys(names, file_name.rsplit("/", 1)[-1]))
         yield file_name, safetensors_pieces({n: tensors[n] for n in names}, _METADATA)
     total = sum(_tensor_bytes(tensor) for tensor in tensors.values())

@@ -65,8 +65,9 @@ from storage.checkpoints import (
 )
 from storage.commit import FileDigest, begin_step, latest_committed_step
 from storage.layout import RunLayout
-from storage.parts import wait_for_parts, write_part
+from storage.parts import gather_parts
 from storage.store import ObjectStore
+from storage.tensor_files import shard_file_name
 
 _SHARDED = StateDictOptions(full_state_dict=False)
 OPTIMIZER_PREFIX = "optimizer/"
@@ -127,9 +128,7 @@ class StateSnapshot:
 
 def state_file(stem: str, rank: int, world: int) -> str:
     """Where rank `rank`'s tensors of `stem` go: one file with one rank, else one per rank."""
-    if world == 1:
-        return f"{stem}.safetensors"
-    return f"{stem}-{rank + 1:05d}-of-{world:05d}.safetensors"
+    return f"{stem}.safetensors" if world == 1 else shard_file_name(stem, rank + 1, world)
 
 
 def model_tensors(policy: PolicyModel) -> list[tuple[str, torch.Tensor]]:
@@ -344,10 +343,9 @@ class CheckpointWriter:
             if tensors:
                 name = state_file(stem, rank, world)
                 mine.update(write_tensor_file(self.store, step_dir, name, tensors))
-        if not self.dist_info.is_main:
-            write_part(self.store, step_dir, rank, mine, uid=snapshot.uid)
+        files = gather_parts(self.store, step_dir, mine, rank=rank, world=world, uid=snapshot.uid)
+        if files is None:
             return False
-        others = wait_for_parts(self.store, step_dir, range(1, world), uid=snapshot.uid)
         weights = {n: f for n, f in snapshot.files.items() if not _is_trainer_tensor(n)}
         state = {
             n: f.removeprefix(f"{TRAINER_DIR}/")
@@ -357,7 +355,7 @@ class CheckpointWriter:
         commit_sharded_checkpoint(
             self.store,
             snapshot.step,
-            shards={**mine, **others},
+            shards=files,
             weight_map=weights,
             total_size=sum(snapshot.sizes[n] for n in weights),
             config=self.policy.config.to_dict(),

@@ -37,14 +37,14 @@ from torch.optim import Optimizer
 
 from engine.config.trainer import PolicyConfig
 from engine.trainer.background import BackgroundWrite
-from engine.trainer.checkpoint import model_tensors
+from engine.trainer.checkpoint import model_tensors, state_file
 from engine.trainer.distributed import DistInfo, agree_sums, shared_uid
 from engine.trainer.host_copies import Fence, HostCopies
 from engine.trainer.model import PolicyModel
 from engine.trainer.owners import assign_owners
 from storage.checkpoints import (
+    WEIGHTS_STEM,
     commit_sharded_checkpoint,
-    weight_shard_name,
     write_checkpoint,
     write_tensor_file,
 )
@@ -63,7 +63,7 @@ from storage.deltas import (
     pack_entries,
 )
 from storage.layout import RunLayout
-from storage.parts import wait_for_parts, write_part
+from storage.parts import gather_parts
 from storage.policies import (
     DELTA,
     FULL,
@@ -311,7 +311,7 @@ class PolicyPublisher:
         rank, world = self.dist_info.rank, self.dist_info.world_size
         mine = {}
         if weights:
-            name = weight_shard_name(rank + 1, world)
+            name = state_file(WEIGHTS_STEM, rank, world)
             mine = write_tensor_file(self.store, step_dir, name, weights)
         files = self._all_parts(step_dir, uid, mine)
         if files is None:
@@ -320,7 +320,7 @@ class PolicyPublisher:
             self.store,
             step,
             shards=files,
-            weight_map={n: weight_shard_name(r + 1, world) for n, r in self._owners.items()},
+            weight_map={n: state_file(WEIGHTS_STEM, r, world) for n, r in self._owners.items()},
             total_size=sum(self._sizes.values()) * self.dtype.itemsize,
             config=self.policy.config.to_dict(),
             files=self.files,
@@ -353,13 +353,8 @@ class PolicyPublisher:
     def _all_parts(
         self, step_dir: str, uid: str, mine: dict[str, FileDigest]
     ) -> dict[str, FileDigest] | None:
-        """Rank 0: its files and every other rank's, once all are written (then it commits);
-        other ranks: None, after recording their files as their part of version `uid`."""
-        if not self.dist_info.is_main:
-            write_part(self.store, step_dir, self.dist_info.rank, mine, uid=uid)
-            return None
-        ranks = range(1, self.dist_info.world_size)
-        return {**mine, **wait_for_parts(self.store, step_dir, ranks, uid=uid)}
+        rank, world = self.dist_info.rank, self.dist_info.world_size
+        return gather_parts(self.store, step_dir, mine, rank=rank, world=world, uid=uid)
 
     def _prune(self) -> None:
         prune_policies(
