@@ -19,6 +19,7 @@ from engine.run import open_run, run_store, store_at
 from engine.trainer.pool import Stage
 from flows.pipeline import flow_run_name, metrics_sink, resolve
 from flows.reproduce import recorded_config
+from storage.checkpoints import require_committed
 from storage.commit import latest_committed_step
 from storage.errors import ObjectNotFoundError
 from storage.layout import RunLayout
@@ -73,6 +74,8 @@ def evaluate(
         store = run_store(config)
     if step is None:
         step = latest_committed_step(store, CHECKPOINT_PARENTS[stage])
+    else:
+        require_committed(store, step, CHECKPOINT_PARENTS[stage])
     name = config.eval.name or default_eval_name(stage, step, triggered=root is not None)
     with metrics_sink(config) as sink, inference_pool(config) as pool:
         return evaluate_checkpoint(config, pool, name=name, stage=stage, step=step, sink=sink)

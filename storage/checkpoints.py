@@ -358,6 +358,32 @@ def load_trainer_state(local_dir: str | os.PathLike[str]) -> TrainerState:
     return TrainerState(tensors=tensors, progress=progress)
 
 
+def log_commit(store: ObjectStore, step: int, parent: str = RunLayout.CHECKPOINTS) -> None:
+    """Record that checkpoint `step` is committed (after its marker, before any retention)."""
+    entry = {"step": step, "uri": store.url(join(parent, RunLayout.step_name(step)))}
+    store.write_bytes(RunLayout.commit_log_entry(parent, step), _json_bytes(entry, "log entry"))
+
+
+def logged_commits(store: ObjectStore, parent: str = RunLayout.CHECKPOINTS) -> list[int]:
+    """Every step `log_commit` recorded below `parent`, pruned since or not, in order."""
+    folder = join(parent, RunLayout.COMMIT_LOG)
+    steps = (RunLayout.parse_step(name.removesuffix(".json")) for name in store.list(folder))
+    return sorted(step for step in steps if step is not None)
+
+
+def require_committed(store: ObjectStore, step: int, parent: str = RunLayout.CHECKPOINTS) -> None:
+    """`NotCommittedError` unless checkpoint `step` is there to read, saying whether retention
+    deleted it: found before an evaluation starts its servers."""
+    step_dir = join(parent, RunLayout.step_name(step))
+    if store.exists(join(step_dir, MARKER)):
+        return
+    if step in logged_commits(store, parent):
+        reason = "was committed, then deleted by retention (raise checkpoint.keep_last to keep it)"
+    else:
+        reason = "was never committed"
+    raise NotCommittedError(store.url(step_dir), reason)
+
+
 def apply_retention(
     store: ObjectStore,
     *,

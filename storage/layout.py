@@ -69,6 +69,7 @@ class RunLayout:
     CHECKPOINTS = "checkpoints"
     POLICIES = "policies"
     EVAL = "eval"
+    COMMIT_LOG = "_log"
 
     @staticmethod
     def step_name(step: int) -> str:
@@ -94,6 +95,13 @@ class RunLayout:
     @classmethod
     def checkpoint_dir(cls, step: int) -> str:
         return f"{cls.CHECKPOINTS}/{cls.step_name(step)}"
+
+    @staticmethod
+    def commit_log_entry(parent: str, step: int) -> str:
+        """`<parent>/_log/step_N.json`: that step of `parent` was committed. Retention never
+        deletes it, so a watcher polling `parent` learns of every commit, even of a step
+        pruned before it looked."""
+        return f"{parent}/{RunLayout.COMMIT_LOG}/{RunLayout.step_name(step)}.json"
 
     @classmethod
     def policy_dir(cls, step: int) -> str:

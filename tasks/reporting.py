@@ -30,6 +30,7 @@ from prefect.events import emit_event
 from tqdm import tqdm
 
 from engine.config import PrimeflowConfig
+from storage.checkpoints import logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
 from storage.metrics import METRICS_DIR
@@ -101,7 +102,7 @@ class StageMonitor:
         # A terminal progress bar when a person watches (tqdm stays silent off a TTY).
         self._bar = tqdm(total=self.total_steps, desc=self.stage, unit="step", disable=None)
         # Checkpoints committed before this stage (a resumed run) are not news.
-        self.checkpoints = set(committed_steps(self.store, self.checkpoint_parent))
+        self.checkpoints = self._committed_checkpoints()
         context = contextvars.copy_context()  # so artifacts attach to this flow/task run
         self._thread = threading.Thread(target=context.run, args=(self._loop,), daemon=True)
         self._thread.start()
@@ -151,11 +152,25 @@ class StageMonitor:
             update_progress_artifact(self._artifact, progress=progress)
             if self.last_step - self._last_table_step >= self.table_every:
                 self._write_table()
-        committed = set(committed_steps(self.store, self.checkpoint_parent))
-        for step in sorted(committed - self.checkpoints):
+        present = set(committed_steps(self.store, self.checkpoint_parent))
+        for step in sorted(self._committed_checkpoints(present) - self.checkpoints):
             self.checkpoints.add(step)
+            if step not in present:
+                log.warning(
+                    "%s: checkpoint %d was deleted by retention before it was announced; its "
+                    "event goes out, but it cannot be evaluated (raise checkpoint.keep_last)",
+                    self.stage,
+                    step,
+                )
             uri = self.store.url(join(self.checkpoint_parent, RunLayout.step_name(step)))
             emit_checkpoint_event(self.run_name, self.stage, step, uri, self.store.url())
+
+    def _committed_checkpoints(self, present: set[int] | None = None) -> set[int]:
+        """Every checkpoint committed so far: those still there and those the commit log
+        records (retention may have deleted one between two polls)."""
+        if present is None:
+            present = set(committed_steps(self.store, self.checkpoint_parent))
+        return present | set(logged_commits(self.store, self.checkpoint_parent))
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
         """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""

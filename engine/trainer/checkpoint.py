@@ -60,6 +60,7 @@ from storage.checkpoints import (
     fetch_checkpoint,
     load_checkpoint_weights,
     load_trainer_state,
+    log_commit,
     write_checkpoint,
     write_tensor_file,
 )
@@ -327,6 +328,7 @@ class CheckpointWriter:
             )
         elif not self._write_part(snapshot):
             return
+        log_commit(self.store, snapshot.step)
         apply_retention(
             self.store, keep_last=self.config.keep_last, keep_every=self.config.keep_every
         )

@@ -7,12 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.events.filters import EventFilter, EventNameFilter
 
-from storage.commit import commit_step, digest_bytes
+from storage.checkpoints import apply_retention, log_commit, write_checkpoint
+from storage.commit import committed_steps
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
@@ -22,14 +24,15 @@ pytestmark = pytest.mark.integration
 
 
 def fake_trainer(store: ObjectStore, steps: int) -> None:
-    """What the trainer pool leaves in storage: one metric line per step, a checkpoint every 2."""
+    """What the trainer pool leaves in storage: one metric line per step, a checkpoint every 2,
+    of which retention keeps only the newest, at once (before the monitor can look)."""
     for step in range(1, steps + 1):
         write_metrics(store, "rl", step, {"loss": 1.0 / step, "reward": 0.1 * step})
         if step % 2 == 0:
-            folder = RunLayout.checkpoint_dir(step)
-            data = b"weights-%d" % step
-            store.write_bytes(f"{folder}/model.safetensors", data)
-            commit_step(store, folder, {"model.safetensors": digest_bytes(data)}, step=step)
+            weights = {"w": torch.full((2,), float(step))}
+            write_checkpoint(store, step, weights=weights, config={"model_type": "t"})
+            log_commit(store, step)
+            apply_retention(store, keep_last=1)
         time.sleep(0.05)
 
 
@@ -72,4 +75,6 @@ def test_monitor_reports_progress_table_and_checkpoint_events(
     while time.monotonic() < deadline and steps != {2, 4, 6}:
         steps = {e.payload["step"] for e in asyncio.run(_events(CHECKPOINT_EVENT, run))}
         time.sleep(0.5)
+    # Steps 2 and 4 were deleted before any poll could see them; their events still went out.
     assert steps == {2, 4, 6}
+    assert committed_steps(store, RunLayout.CHECKPOINTS) == [6]

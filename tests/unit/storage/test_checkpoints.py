@@ -14,6 +14,9 @@ from storage.checkpoints import (
     fetch_checkpoint,
     load_checkpoint_weights,
     load_trainer_state,
+    log_commit,
+    logged_commits,
+    require_committed,
     write_checkpoint,
 )
 from storage.commit import MARKER, committed_steps, read_commit
@@ -201,6 +204,24 @@ def test_retention_keeps_the_newest_and_the_milestones(
         RunLayout.step_name(step) for step in (3, 4, 8, 9, 10, 11)
     ]  # the uncommitted step 11 may be mid-write: it is not touched
     assert apply_retention(memory_store, keep_last=None) == []
+
+
+def test_the_commit_log_outlives_retention_and_names_why_a_step_is_gone(
+    memory_store: ObjectStore,
+) -> None:
+    for step in (1, 2, 3):
+        write_checkpoint(
+            memory_store, step, weights={"w": torch.ones(2)}, config={"model_type": "t"}
+        )
+        log_commit(memory_store, step)
+        apply_retention(memory_store, keep_last=1)
+    assert committed_steps(memory_store, RunLayout.CHECKPOINTS) == [3]
+    assert logged_commits(memory_store) == [1, 2, 3]
+    require_committed(memory_store, 3)
+    with pytest.raises(NotCommittedError, match=r"deleted by retention.*keep_last"):
+        require_committed(memory_store, 2)
+    with pytest.raises(NotCommittedError, match="never committed"):
+        require_committed(memory_store, 7)
 
 
 @pytest.mark.parametrize(
