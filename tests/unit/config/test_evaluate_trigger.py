@@ -5,9 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import PrimeflowConfig
-from flows.evaluate import default_eval_name, run_config_at
+from flows.evaluate import default_eval_name, evaluate, run_config_at
+from storage.checkpoints import apply_retention, log_commit, write_checkpoint
+from storage.errors import NotCommittedError
+from storage.layout import RunLayout
+from storage.store import ObjectStore
 from tests.unit.config.test_reproduce import recorded_run
 
 
@@ -31,3 +36,18 @@ def test_a_triggered_evaluation_writes_under_its_own_name() -> None:
     assert default_eval_name("rl", 3, triggered=True) == "rl-step-3"
     assert default_eval_name("rl", 3, triggered=False) == "rl"
     assert default_eval_name("sft", None, triggered=True) == "base"
+
+
+def test_evaluating_a_checkpoint_retention_deleted_fails_before_any_server_starts(
+    tmp_path: Path,
+) -> None:
+    _, root = recorded_run(tmp_path)
+    store = ObjectStore(root)
+    for step in (1, 2):
+        write_checkpoint(store, step, weights={"w": torch.ones(1)}, config={"model_type": "t"})
+        log_commit(store, step)
+        apply_retention(store, keep_last=1)
+    # `.fn` runs the flow's body; reaching the pool would start vLLM, which the error prevents.
+    with pytest.raises(NotCommittedError, match="deleted by retention") as failed:
+        evaluate.fn(PrimeflowConfig(), root=root, stage="rl", step=1)
+    assert failed.value.uri == store.url(RunLayout.checkpoint_dir(1))
