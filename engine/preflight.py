@@ -7,9 +7,10 @@ retry had run, under several tracebacks. `preflight` finds them in well under a 
 returns each as one line naming the key; the CLI refuses the config with exit 2, a flow
 before its first task.
 
-Nothing heavy is imported and nothing is loaded: an environment is checked to be installed
-(its module found, not run), since loading one (its `load_environment`, its data) can take long
-and has side effects; that is left to the orchestrator.
+Each environment is then loaded as the orchestrator will load it (its `load_environment` with
+the configured args, or its taskset), so a raising one is named here, with the exception's type,
+rather than after the servers started. It costs the verifiers import (~3 s once per process,
+which the orchestrator, in the same flow process, would pay anyway) and milliseconds per built-in.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 from engine.config import PrimeflowConfig
 from engine.config.model import looks_like_path
+from engine.config.orchestrator import EnvConfig
 from engine.config.sft import DATA_SUFFIXES
-from engine.envs.loader import module_candidates, not_found
+from engine.envs.loader import load_environment, module_candidates, not_found
 
 
 def _model_problem(name: str) -> str | None:
@@ -40,15 +42,27 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _load_problem(env: EnvConfig) -> str | None:
+    """The first line of what loading `env` raised, with the exception's type; None if it loads."""
+    try:
+        load_environment(env)
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return None
+
+
 def _environment_problems(config: PrimeflowConfig) -> list[str]:
     named = [
-        *((f"orchestrator.envs[{i}].id", env.id) for i, env in enumerate(config.orchestrator.envs)),
-        *((f"eval.envs[{i}].id", env.id) for i, env in enumerate(config.eval.envs)),
+        *((f"orchestrator.envs[{i}]", env) for i, env in enumerate(config.orchestrator.envs)),
+        *((f"eval.envs[{i}]", env) for i, env in enumerate(config.eval.envs)),
     ]
     problems = []
-    for key, env_id in named:
-        if not any(_installed(module) for module in module_candidates(env_id)):
-            problems.append(f"{key}: {not_found(env_id)}")
+    for key, env in named:
+        if not any(_installed(module) for module in module_candidates(env.id)):
+            problems.append(f"{key}.id: {not_found(env.id)}")
+        elif (failure := _load_problem(env)) is not None:
+            problems.append(f"{key}: environment {env.id!r} failed to load: {failure}")
     return problems
 
 

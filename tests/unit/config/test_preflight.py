@@ -41,3 +41,14 @@ def test_sft_data_from_a_package_must_name_its_function() -> None:
         "sft.data.env = 'my-package-env' is not a built-in environment; name a source as "
         "'package.module:function'"
     ]
+
+
+def test_an_environment_that_raises_while_loading_is_named_with_the_exception_type() -> None:
+    config = with_overrides(
+        PrimeflowConfig(),
+        {"eval.envs": [{"id": "tests.unit.reliability.bad_reward_env", "args": {"nope": 1}}]},
+    )
+    assert preflight(config) == [
+        "eval.envs[0]: environment 'tests.unit.reliability.bad_reward_env' failed to load: "
+        "TypeError: load_environment() got an unexpected keyword argument 'nope'"
+    ]

@@ -88,6 +88,7 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("config-at-without-file", None, ["@"], r"'@' must be followed by a config file path"),
     ("preflight-model-folder", None, ["--model.name", "./no-such-model"], r"model\.name: model path \./no-such-model does not exist"),
     ("preflight-env-not-installed", '[[orchestrator.envs]]\nid = "no-such-env"', [], r"orchestrator\.envs\[0\]\.id: environment 'no-such-env' not found: no module 'no_such_env' is installed\."),
+    ("preflight-env-load-raises", '[[orchestrator.envs]]\nid = "tests.unit.reliability.bad_reward_env"\nargs = {nope = 1}', [], r"orchestrator\.envs\[0\]: environment 'tests\.unit\.reliability\.bad_reward_env' failed to load: TypeError: load_environment\(\) got an unexpected keyword argument 'nope'"),
 ]  # fmt: skip
 
 
