@@ -81,6 +81,15 @@ def test_bool_flags_lists_and_json_dicts() -> None:
     assert load_config(["--no-trainer.compile"]).trainer.compile is False
 
 
+def test_null_unsets_a_field_that_may_be_none_and_is_text_elsewhere(tmp_path: Path) -> None:
+    config = load_config(["--sft.data.path", "null", "--run.name", "null"])
+    assert config.sft.data.path is None
+    assert config.run.name == "null"  # a run name cannot be None: "null" is its text
+    file = tmp_path / "unset.toml"
+    file.write_text('[sft.data]\npath = "null"\n')
+    assert load_config(["@", str(file)]).sft.data.path is None
+
+
 def test_env_list_from_toml(tmp_path: Path) -> None:
     path = write(
         tmp_path,
