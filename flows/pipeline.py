@@ -1,7 +1,9 @@
 """The flows: `post-train` (SFT → RL → eval, the main job), `sft` and `rl`.
 
-Thin on purpose: a flow opens the run, keeps the inference pool up across its stages, calls the
-stage tasks in order and reports. Every flow takes the whole `PrimeflowConfig` (so the Prefect
+Thin on purpose: a flow opens the run, calls the stage tasks in order and reports. The
+inference pool starts when a stage first has something to generate and stays up across the
+rest; stages committed already return their results, so re-running a finished run starts no
+server and no trainer. Every flow takes the whole `PrimeflowConfig` (so the Prefect
 UI draws it as a form and the server validates it) plus optional dotted `overrides`, which is
 what `prefect deployment run ... --param overrides='{"max_steps": 5}'` changes.
 """

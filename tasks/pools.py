@@ -43,11 +43,59 @@ def stop_inference_pool(config: PrimeflowConfig, pool: InferencePool) -> None:
         forget_group(log_dir(config), name)
 
 
+class PoolOnDemand:
+    """A flow's inference pool, started by the first stage that has something to generate.
+
+    A stage whose result is committed already (a resumed or re-run flow) never asks for it, so
+    re-running a finished run starts no server. A reload asked for before the start is kept and
+    applied once the servers are up; `policy_version` is what they serve, or will.
+    """
+
+    def __init__(self, config: PrimeflowConfig, pool: InferencePool | None = None) -> None:
+        self.config = config
+        self._pool = pool
+        self._pending: tuple[str, int] | None = None
+
+    @classmethod
+    def running(cls, config: PrimeflowConfig, pool: InferencePool) -> PoolOnDemand:
+        """A pool that is up already (started by its caller, who stops it)."""
+        return cls(config, pool)
+
+    @property
+    def started(self) -> InferencePool | None:
+        """The pool if it has started, else None."""
+        return self._pool
+
+    @property
+    def policy_version(self) -> int:
+        if self._pending is not None:
+            return self._pending[1]
+        return self._pool.policy_version if self._pool is not None else 0
+
+    def reload(self, checkpoint: str, version: int) -> None:
+        if self._pool is None:
+            self._pending = (checkpoint, version)
+        else:
+            self._pool.reload(checkpoint, version=version)
+
+    def get(self) -> InferencePool:
+        """The running pool, started (and brought to the pending version) on first use."""
+        if self._pool is None:
+            self._pool = start_inference_pool(self.config)
+        if self._pending is not None:
+            checkpoint, version = self._pending
+            self._pool.reload(checkpoint, version=version)
+            self._pending = None
+        return self._pool
+
+
 @contextmanager
-def inference_pool(config: PrimeflowConfig) -> Iterator[InferencePool]:
-    """The pool for the length of a `with` block; stopped however the block ends."""
-    pool = start_inference_pool(config)
+def inference_pool(config: PrimeflowConfig) -> Iterator[PoolOnDemand]:
+    """The pool for the length of a `with` block, started on demand; stopped however the block
+    ends, if it started."""
+    pools = PoolOnDemand(config)
     try:
-        yield pool
+        yield pools
     finally:
-        stop_inference_pool(config, pool)
+        if (pool := pools.started) is not None:
+            stop_inference_pool(config, pool)

@@ -9,6 +9,7 @@ It reads only objects it has not seen, so a poll costs one listing per prefix.
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any
 from uuid import UUID
 
 from prefect.artifacts import (
+    create_image_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -30,6 +32,8 @@ from prefect.events import emit_event
 from tqdm import tqdm
 
 from engine.config import PrimeflowConfig
+from engine.report.run_report import PLOT, REPORT_DIR
+from engine.run import run_store
 from storage.checkpoints import logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
@@ -40,6 +44,9 @@ from storage.store import ObjectStore
 CHECKPOINT_EVENT = "primeflow.checkpoint.committed"
 #: Metrics shown beside a stage's progress bar, when the stage reports them.
 BAR_METRICS = ("loss", "reward/mean", "eval_loss")
+#: The metrics table's first and last columns; the others sit between them by name.
+TABLE_FIRST = ("step", "reward/mean", "loss", "eval_loss", "policy_version")
+TABLE_LAST = ("stage", "time")
 log = logging.getLogger(__name__)
 
 
@@ -204,7 +211,7 @@ class StageMonitor:
         if not self.lines or (not force and self.last_step == self._last_table_step):
             return
         rows = [
-            {k: v for k, v in self.row(s).items() if isinstance(v, int | float | str)}
+            table_row({k: v for k, v in self.row(s).items() if isinstance(v, int | float | str)})
             for s in sorted(self.lines)[-self.table_rows :]
         ]
         create_table_artifact(
@@ -213,6 +220,16 @@ class StageMonitor:
             description=f"{self.stage}: the last {len(rows)} steps' metrics",
         )
         self._last_table_step = self.last_step
+
+
+def table_row(line: Mapping[str, Any]) -> dict[str, Any]:
+    """`line`'s columns in the order a person reads them: the step and headline numbers first,
+    the rest grouped by prefix (`reward/…`, `time/…`), bookkeeping last. Metric lines are
+    stored with sorted keys, which put `step` 13th and `reward/mean` 36th."""
+    first = [key for key in TABLE_FIRST if key in line]
+    last = [key for key in TABLE_LAST if key in line]
+    middle = sorted(set(line) - set(first) - set(last), key=lambda k: ("/" in k, k))
+    return {key: line[key] for key in (*first, *middle, *last)}
 
 
 def _number(value: Any) -> str:
@@ -260,7 +277,8 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
     report = results.get("report")
     if isinstance(report, Mapping):
         lines += [
-            f"- reward and loss per step (plot): `{report.get('plot')}`",
+            f"- reward and loss per step (plot, shown as the artifact "
+            f"`{artifact_key(config.run.name, 'reward-plot')}`): `{report.get('plot')}`",
             f"- sample answers before and after: `{report.get('samples_md')}`",
             f"- eval statistics (stderr, paired differences): `{report.get('report')}`",
         ]
@@ -268,8 +286,17 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
 
 
 def publish_summary(config: PrimeflowConfig, results: Mapping[str, Any]) -> None:
+    """The summary, and the reward plot as an image the UI shows (a `data:` URL: the plot's
+    own URI is a `file://` or `s3://` path no browser opens)."""
     create_markdown_artifact(
         markdown=summary_markdown(config, results),
         key=artifact_key(config.run.name, "summary"),
         description=f"primeflow run {config.run.name}: rewards, stages and outputs",
     )
+    if isinstance(results.get("report"), Mapping):
+        png = run_store(config).read_bytes(join(REPORT_DIR, PLOT))
+        create_image_artifact(
+            image_url=f"data:image/png;base64,{base64.b64encode(png).decode()}",
+            key=artifact_key(config.run.name, "reward-plot"),
+            description=f"primeflow run {config.run.name}: reward and loss per step",
+        )

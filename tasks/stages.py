@@ -16,14 +16,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engine.config import PrimeflowConfig
-from engine.inference.pool import InferencePool
-from engine.orchestrator.main import evaluate_policy, run_orchestrator
+from engine.orchestrator.evaluate import committed_summary
+from engine.orchestrator.main import EvalOutcome, evaluate_policy, run_orchestrator
 from engine.run import local_run_dir, run_store
 from engine.trainer.pool import Stage, TrainerPool
 from engine.wandb_sink import WandbSink
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.paths import join
+from tasks.pools import PoolOnDemand
 from tasks.reporting import StageMonitor
 from tasks.supervision import forget_group, record_group
 
@@ -91,9 +92,27 @@ def _monitor(
     )
 
 
+def _total_steps(config: PrimeflowConfig, stage: Stage) -> int:
+    total = config.sft.max_steps if stage == "sft" else config.trainer.max_steps
+    assert total is not None
+    return total
+
+
+def _finished(config: PrimeflowConfig, stage: Stage) -> dict[str, Any] | None:
+    """The stage's outcome when its final checkpoint is committed (a re-run of a finished run,
+    or a retry after a later stage failed): then no trainer, orchestrator or server starts."""
+    total = _total_steps(config, stage)
+    if latest_committed_step(run_store(config), CHECKPOINT_PARENTS[stage]) != total:
+        return None
+    get_run_logger().info("%s: all %d steps are committed already; nothing to train", stage, total)
+    return _outcome(config, stage, total, 0.0)
+
+
 @task(name="sft-warmup", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[str, Any]:
     """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+    if (done := _finished(config, "sft")) is not None:
+        return done
     started = time.perf_counter()
     with _monitor(config, "sft", config.sft.max_steps, sink) as monitor:
         pool = _start_trainer(config, "sft")
@@ -108,7 +127,7 @@ def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[s
 
 @task(name="rl-loop", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def rl_loop(
-    config: PrimeflowConfig, pool: InferencePool, sink: WandbSink | None = None
+    config: PrimeflowConfig, pools: PoolOnDemand, sink: WandbSink | None = None
 ) -> dict[str, Any]:
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
@@ -117,7 +136,9 @@ def rl_loop(
     ends the task, the orchestrator is stopped and joined first, so a retry of the task never
     runs beside the previous attempt's orchestrator (two writers of the same rollout steps).
     """
-    assert config.trainer.max_steps is not None
+    if (done := _finished(config, "rl")) is not None:
+        return done
+    pool = pools.get()
     started = time.perf_counter()
     failure: list[BaseException] = []
     stop = threading.Event()
@@ -128,7 +149,7 @@ def rl_loop(
         except BaseException as exc:
             failure.append(exc)
 
-    with _monitor(config, "rl", config.trainer.max_steps, sink) as monitor:
+    with _monitor(config, "rl", _total_steps(config, "rl"), sink) as monitor:
         trainer = _start_trainer(config, "rl")
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
         orchestrator.start()
@@ -159,19 +180,26 @@ def _stop_orchestrator(orchestrator: threading.Thread, stop: threading.Event) ->
 @task(name="evaluate", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def evaluate_checkpoint(
     config: PrimeflowConfig,
-    pool: InferencePool | None,
+    pools: PoolOnDemand,
     *,
     name: str,
     stage: Stage = "rl",
     step: int | None = None,
     sink: WandbSink | None = None,
 ) -> dict[str, Any]:
-    """Evaluate what `pool` serves (step None) or a committed checkpoint of `stage`."""
+    """Evaluate what `pools` serves (step None) or a committed checkpoint of `stage`; an
+    evaluation committed already is read back without starting the pool."""
     eval_config = config.eval.model_copy(
         update={"name": name, "stage": stage, "checkpoint_step": step}
     )
     started = time.perf_counter()
-    outcome = evaluate_policy(config.model_copy(update={"eval": eval_config}), pool)
+    done = committed_summary(
+        run_store(config), name, pools.policy_version if step is None else step
+    )
+    if done is not None:
+        outcome = EvalOutcome(uri=done[0], summary=done[1])
+    else:
+        outcome = evaluate_policy(config.model_copy(update={"eval": eval_config}), pools.get())
     headline = {k: v for k, v in outcome.summary.items() if isinstance(v, int | float)}
     samples = sum(env.get("samples", 0) for env in outcome.summary.get("envs", {}).values())
     if sink is not None:

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_config import ConfigFileError, cli
 
-from engine.config.root import PrimeflowConfig
+from engine.config.root import PrimeflowConfig, shared_copies
 
 COMMAND_LINE = "command line"
 
@@ -225,9 +225,14 @@ def with_overrides(config: PrimeflowConfig, overrides: Mapping[str, Any]) -> Pri
     """`config` with dotted-key overrides (`{"trainer.optim.lr": 1e-5}`), validated again.
 
     Only what the user set is carried over, so shared fields keep filling the sections: an
-    override of `seq_len` reaches every section that did not set its own.
+    override of `seq_len` reaches every section that did not set its own, nor merely copied
+    the old value (as a config from `--dry-run` JSON does).
     """
     data = config.model_dump(exclude_unset=True)
+    for dotted in overrides:
+        for copy in shared_copies(config, dotted.replace("-", "_")):
+            section, leaf = copy.split(".")
+            data.get(section, {}).pop(leaf, None)
     for dotted, value in overrides.items():
         *parents, leaf = dotted.replace("-", "_").split(".")
         node = data

@@ -30,6 +30,15 @@ def _get(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def shared_copies(config: BaseConfig, shared: str) -> list[str]:
+    """The section fields of shared field `shared` that hold its value: copies of it, not
+    choices of their own (a config read back from its `--dry-run` JSON states them all)."""
+    if shared not in SHARED_FIELDS:
+        return []
+    value = _get(config, shared)
+    return [target for target in SHARED_FIELDS[shared] if _get(config, target) == value]
+
+
 def _fill(obj: Any, dotted: str, value: Any) -> None:
     """Set a field without marking it as set by the user, so a later override of the shared
     field still reaches it."""

@@ -21,6 +21,7 @@ from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.shards import read_rollouts
 from storage.store import ObjectStore
+from tasks.pools import PoolOnDemand
 from tasks.stages import rl_loop
 
 
@@ -49,7 +50,7 @@ def run_rl_stage(
 
     @flow(name=name, validate_parameters=False)
     def stage() -> dict[str, Any]:
-        return rl_loop(config, pool)
+        return rl_loop(config, PoolOnDemand.running(config, pool))
 
     return stage()
 

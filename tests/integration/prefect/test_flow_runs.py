@@ -7,6 +7,7 @@ One Prefect server (session fixture), one `prefect worker` for the module, the t
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -196,18 +197,36 @@ def test_killed_flow_process_then_rerun_resumes_and_completes(worker: Path, tmp_
         if step in committed_steps(store, RunLayout.CHECKPOINTS):
             assert read_commit(store, RunLayout.checkpoint_dir(step)).created_at == created
 
-    async def artifacts_and_events() -> tuple[list, list]:
+    async def artifacts_and_events() -> tuple[list, list, list]:
         async with get_client() as client:
-            summary = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=[artifact_key("resume-me", "summary")])
+            summary, plot = [
+                await client.read_artifacts(
+                    artifact_filter=ArtifactFilter(
+                        key=ArtifactFilterKey(any_=[artifact_key("resume-me", kind)])
+                    )
                 )
-            )
+                for kind in ("summary", "reward-plot")
+            ]
             page = await client.read_events(
                 filter=EventFilter(event=EventNameFilter(name=[CHECKPOINT_EVENT])), limit=50
             )
-            return summary, [e for e in page.events if e.payload.get("run") == "resume-me"]
+            return summary, plot, [e for e in page.events if e.payload.get("run") == "resume-me"]
 
-    summary, events = asyncio.run(artifacts_and_events())
+    summary, plot, events = asyncio.run(artifacts_and_events())
     assert summary and "Reward on the held-out split" in str(summary[0].data)
+    # The plot is an image the UI draws: a data: URL holding the run's own PNG.
+    assert plot and plot[0].type == "image"
+    header, encoded = str(plot[0].data).split(",", 1)
+    assert header == "data:image/png;base64"
+    assert base64.b64decode(encoded) == (runs / "resume-me" / "report" / "reward.png").read_bytes()
     assert {e.payload["step"] for e in events if e.payload["stage"] == "rl"} >= {max_steps}
+
+    # Run it once more: everything is committed, so no server or trainer starts (their logs
+    # and the pool's record are not touched) and the run completes again.
+    logs = runs / "resume-me" / RunLayout.LOGS
+    pool_files = sorted([logs / "inference-pool.json", *logs.glob("trainer-*.log")])
+    assert len(pool_files) == 3, pool_files
+    touched = {path: path.stat().st_mtime_ns for path in pool_files}
+    again = final_state(start_run("resume-me", runs, max_steps=max_steps), 300)
+    assert again.state is not None and again.state.is_completed(), again.state
+    assert {path: path.stat().st_mtime_ns for path in pool_files} == touched

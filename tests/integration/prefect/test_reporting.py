@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -69,6 +70,10 @@ def test_monitor_reports_progress_table_and_checkpoint_events(
     table = asyncio.run(_artifacts(artifact_key(run, "rl", "metrics")))
     assert table, "no metrics table artifact"
     assert "reward" in str(table[0].data)
+    # Columns as a person reads them (the lines themselves are stored with sorted keys).
+    data = table[0].data
+    columns = list((json.loads(data) if isinstance(data, str) else data)[0])
+    assert columns == ["step", "loss", "reward", "stage", "time"], columns
 
     deadline = time.monotonic() + 20
     steps: set[int] = set()

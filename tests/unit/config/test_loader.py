@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, PrimeflowConfig, load_config
+from engine.config import ConfigError, PrimeflowConfig, load_config, with_overrides
 from engine.config.trainer import CosineSchedulerConfig, MaskedRatioLossConfig
 
 
@@ -88,6 +88,17 @@ def test_null_unsets_a_field_that_may_be_none_and_is_text_elsewhere(tmp_path: Pa
     file = tmp_path / "unset.toml"
     file.write_text('[sft.data]\npath = "null"\n')
     assert load_config(["@", str(file)]).sft.data.path is None
+
+
+def test_the_dry_run_json_takes_overrides_of_shared_fields() -> None:
+    printed = load_config(["--seq-len", "512", "--max-steps", "9"])
+    config = PrimeflowConfig.model_validate(printed.model_dump(mode="json"))  # every field set
+    changed = with_overrides(config, {"seq_len": 256, "max_steps": 7})
+    seq_lens = (changed.trainer.seq_len, changed.orchestrator.seq_len)
+    assert seq_lens == (256, 256) and changed.inference.max_model_len == 256
+    assert (changed.trainer.max_steps, changed.orchestrator.max_steps) == (7, 7)
+    with pytest.raises(ConfigError, match=r"trainer\.seq_len = 128 conflicts"):
+        with_overrides(config, {"seq_len": 256, "trainer.seq_len": 128})
 
 
 def test_env_list_from_toml(tmp_path: Path) -> None:
