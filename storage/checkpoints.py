@@ -366,7 +366,7 @@ def log_commit(store: ObjectStore, step: int, parent: str = RunLayout.CHECKPOINT
 
 def logged_commits(store: ObjectStore, parent: str = RunLayout.CHECKPOINTS) -> list[int]:
     """Every step `log_commit` recorded below `parent`, pruned since or not, in order."""
-    folder = join(parent, RunLayout.COMMIT_LOG)
+    folder = RunLayout.commit_log_dir(parent)
     steps = (RunLayout.parse_step(name.removesuffix(".json")) for name in store.list(folder))
     return sorted(step for step in steps if step is not None)
 

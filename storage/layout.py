@@ -69,7 +69,7 @@ class RunLayout:
     CHECKPOINTS = "checkpoints"
     POLICIES = "policies"
     EVAL = "eval"
-    COMMIT_LOG = "_log"
+    COMMIT_LOG = "commit_log"
 
     @staticmethod
     def step_name(step: int) -> str:
@@ -97,11 +97,17 @@ class RunLayout:
         return f"{cls.CHECKPOINTS}/{cls.step_name(step)}"
 
     @staticmethod
-    def commit_log_entry(parent: str, step: int) -> str:
-        """`<parent>/_log/step_N.json`: that step of `parent` was committed. Retention never
-        deletes it, so a watcher polling `parent` learns of every commit, even of a step
-        pruned before it looked."""
-        return f"{parent}/{RunLayout.COMMIT_LOG}/{RunLayout.step_name(step)}.json"
+    def commit_log_dir(parent: str) -> str:
+        """`commit_log/checkpoints` beside `checkpoints` (`sft/commit_log/checkpoints` for
+        `sft/checkpoints`): one entry per committed step of `parent`, which retention never
+        deletes, so a watcher polling `parent` learns of every commit, even of a step pruned
+        before it looked. Kept out of `parent`, which holds step folders only."""
+        head, _, tail = parent.rpartition("/")
+        return "/".join(part for part in (head, RunLayout.COMMIT_LOG, tail) if part)
+
+    @classmethod
+    def commit_log_entry(cls, parent: str, step: int) -> str:
+        return f"{cls.commit_log_dir(parent)}/{cls.step_name(step)}.json"
 
     @classmethod
     def policy_dir(cls, step: int) -> str:

@@ -17,6 +17,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 from uuid import UUID
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from engine.config import PrimeflowConfig
 from engine.report.run_report import PLOT, REPORT_DIR
 from engine.run import run_store
+from engine.watchdog import ProgressClock
 from storage.checkpoints import logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
@@ -92,6 +94,8 @@ class StageMonitor:
     table_every: int = 10
     table_rows: int = 20
     on_step: Callable[[Mapping[str, Any]], None] | None = None
+    #: Told of every new step after the first poll (which reads the lines of earlier attempts).
+    clock: ProgressClock | None = None
     lines: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)
     others: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict, init=False)
     checkpoints: set[int] = field(default_factory=set, init=False)
@@ -100,6 +104,7 @@ class StageMonitor:
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
     _bar: tqdm | None = field(default=None, init=False)
+    _polled: bool = field(default=False, init=False)
 
     def __enter__(self) -> StageMonitor:
         key = artifact_key(self.run_name, self.stage, "progress")
@@ -180,10 +185,15 @@ class StageMonitor:
         return present | set(logged_commits(self.store, self.checkpoint_parent))
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
-        """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""
+        """New lines of `stage`; new lines of the `also` stages are read and kept on the side.
+        A new line of any of them is progress, for the hang watch."""
         new = self._read_stage(self.stage, self.lines)
+        progressed = bool(new)
         for stage in self.also:
-            self._read_stage(stage, self.others.setdefault(stage, {}))
+            progressed |= bool(self._read_stage(stage, self.others.setdefault(stage, {})))
+        if progressed and self._polled and self.clock is not None:
+            self.clock.beat()
+        self._polled = True
         return new
 
     def _read_stage(self, stage: str, seen: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -283,6 +293,18 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
             f"- eval statistics (stderr, paired differences): `{report.get('report')}`",
         ]
     return "\n".join(lines) + "\n"
+
+
+def publish_hang_report(run_name: str, stage: str, report: Path, limit: int = 60_000) -> None:
+    """The stacks of a hung stage, in the UI beside the failure that names their file."""
+    text = report.read_text(errors="replace")
+    if len(text) > limit:
+        text = text[:limit] + f"\n... (cut; the whole report is {report})\n"
+    create_markdown_artifact(
+        markdown=f"# {stage} hung\n\nFull report: `{report}`\n\n```\n{text}\n```\n",
+        key=artifact_key(run_name, stage, "hang"),
+        description=f"{stage}: the stacks of every process when the stage was found hung",
+    )
 
 
 def publish_summary(config: PrimeflowConfig, results: Mapping[str, Any]) -> None:

@@ -21,21 +21,49 @@ from engine.orchestrator.main import EvalOutcome, evaluate_policy, run_orchestra
 from engine.run import local_run_dir, run_store
 from engine.trainer.pool import Stage, TrainerPool
 from engine.wandb_sink import WandbSink
+from engine.watchdog import ProgressClock, capture_stacks
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.paths import join
 from tasks.pools import PoolOnDemand
-from tasks.reporting import StageMonitor
+from tasks.reporting import StageMonitor, publish_hang_report
 from tasks.supervision import forget_group, record_group
 
 #: How long a stopping RL stage waits for its orchestrator thread (a commit in progress ends).
 ORCHESTRATOR_STOP_S = 60.0
+#: How long a hung trainer gets to end on SIGTERM before its group is killed.
+HUNG_STOP_S = 5.0
 #: Where each stage commits its checkpoints, below the run root.
 CHECKPOINT_PARENTS: dict[Stage, str] = {"sft": "sft/checkpoints", "rl": "checkpoints"}
 
 
 class StageFailedError(RuntimeError):
     """A stage's process exited with an error; the message names its log."""
+
+
+class StageHungError(StageFailedError):
+    """A stage made no progress for longer than the watchdog allows; the message names the
+    processes that did not answer and the report holding every process's stacks."""
+
+
+def _fail_if_hung(
+    config: PrimeflowConfig, stage: Stage, monitor: StageMonitor, trainer: TrainerPool
+) -> None:
+    """Raise `StageHungError` once the stage has been silent too long, its stacks saved and
+    its trainer stopped (a stopped rank ignores SIGTERM: only the group's SIGKILL ends it)."""
+    assert monitor.clock is not None and trainer.log_path is not None
+    stall = monitor.clock.stall()
+    if stall is None:
+        return
+    report = trainer.log_path.parent / f"hang-{stage}-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+    stuck = capture_stacks([trainer.pgid], trainer.stacks_dir, report)
+    trainer.stop(grace_s=HUNG_STOP_S)
+    publish_hang_report(config.run.name, stage, report)
+    who = f"; not answering: {', '.join(stuck)}" if stuck else ""
+    raise StageHungError(
+        f"the {stage} stage hung: {stall.describe(config.watchdog)}{who}; the stacks of "
+        f"every process are in {report}"
+    )
 
 
 def _trainer_failure(stage: str, code: int, pool: TrainerPool) -> StageFailedError:
@@ -89,6 +117,7 @@ def _monitor(
         checkpoint_parent=CHECKPOINT_PARENTS[stage],
         also=("orchestrator",) if stage == "rl" else (),
         on_step=sink.log if sink is not None else None,
+        clock=ProgressClock(config.watchdog),
     )
 
 
@@ -117,7 +146,9 @@ def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[s
     with _monitor(config, "sft", config.sft.max_steps, sink) as monitor:
         pool = _start_trainer(config, "sft")
         try:
-            code = pool.wait()
+            while (code := pool.poll()) is None:
+                time.sleep(1.0)
+                _fail_if_hung(config, "sft", monitor, pool)
         finally:
             _finish_trainer(config, "sft", pool)
     if code != 0:
@@ -156,6 +187,7 @@ def rl_loop(
         try:
             while orchestrator.is_alive() and trainer.poll() is None:
                 orchestrator.join(timeout=1.0)
+                _fail_if_hung(config, "rl", monitor, trainer)
             if failure:
                 raise failure[0]
             code = trainer.wait()

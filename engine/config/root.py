@@ -15,6 +15,7 @@ from engine.config.run import RunConfig, StorageConfig
 from engine.config.sft import SftConfig
 from engine.config.trainer import TrainerConfig
 from engine.config.wandb import WandbConfig
+from engine.config.watchdog import WatchdogConfig
 
 #: shared field → the section fields it fills. One value, stated once, reaches every pool.
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -83,6 +84,7 @@ class PrimeflowConfig(BaseConfig):
     eval: EvalConfig = EvalConfig()
     sft: SftConfig = SftConfig()
     wandb: WandbConfig = WandbConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
 
     @model_validator(mode="after")
     def _fill_shared_fields(self) -> PrimeflowConfig:

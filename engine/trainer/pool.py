@@ -23,8 +23,11 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import psutil
+
 from engine.config import PrimeflowConfig
 from engine.trainer.supervision import SUPERVISOR_ENV
+from engine.watchdog import STACKS_DIR_ENV
 
 Stage = Literal["sft", "rl"]
 
@@ -82,6 +85,12 @@ class TrainerPool:
             raise RuntimeError("the pool has not been started")
         return self.process.pid
 
+    @property
+    def stacks_dir(self) -> Path:
+        """Where each rank keeps the file it dumps its stacks into (`engine.watchdog`)."""
+        assert self.log_path is not None
+        return self.log_path.parent / "stacks"
+
     def start(self) -> None:
         config_path = Path(self._tmp.name) / "config.json"
         config_path.write_text(self.config.model_dump_json())
@@ -92,6 +101,7 @@ class TrainerPool:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.config.trainer.parallel.gpu_ids))
         log = None
         if self.log_path is not None:
+            env[STACKS_DIR_ENV] = str(self.stacks_dir)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = self.log_path.open("ab")
             log.write(f"{_START_LINE} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
@@ -139,19 +149,35 @@ class TrainerPool:
         return self.process.wait(timeout)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM torchrun (it stops its ranks), then SIGKILL its group after `grace_s`."""
+        """SIGTERM torchrun (it stops its ranks), then SIGKILL its group after `grace_s`.
+
+        A rank that outlives torchrun is killed too: one stopped (SIGSTOP) or stuck holds its
+        SIGTERM, and its supervisor watch cannot run to end it.
+        """
         if self.process is not None and self.process.poll() is None:
+            ranks = _descendants(self.process.pid)
             self._signal(signal.SIGTERM)
             try:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
                 self.process.wait()
+            for rank in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    rank.kill()
+            psutil.wait_procs(ranks, timeout=grace_s)
         self._tmp.cleanup()
 
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def run_trainer(config: PrimeflowConfig, stage: Stage) -> int:

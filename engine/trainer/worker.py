@@ -51,6 +51,7 @@ from engine.trainer.schedule import build_scheduler
 from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
+from engine.watchdog import register_stack_dump
 from storage.commit import committed_steps, delete_step
 from storage.errors import CorruptObjectError
 from storage.layout import RunLayout
@@ -409,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config = PrimeflowConfig.model_validate_json(Path(args.config).read_text())
     watch_supervisor()
+    register_stack_dump()
     run_stage(config, args.stage)
     return 0
 

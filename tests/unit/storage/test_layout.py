@@ -87,3 +87,10 @@ def test_foreign_folder_names_are_not_steps(name: str) -> None:
 def test_steps_are_non_negative_ints(step: object) -> None:
     with pytest.raises((ValueError, TypeError)):
         RunLayout.step_name(step)  # type: ignore[arg-type]
+
+
+def test_the_commit_log_sits_beside_the_folder_it_logs() -> None:
+    entry = RunLayout.commit_log_entry("checkpoints", 42)
+    assert entry == "commit_log/checkpoints/step_000042.json"
+    # The SFT stage's writer is rooted at `sft/`; the run's monitor names `sft/checkpoints`.
+    assert RunLayout.commit_log_dir("sft/checkpoints") == "sft/commit_log/checkpoints"
