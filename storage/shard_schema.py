@@ -28,9 +28,13 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("env", pa.string(), nullable=False),
         pa.field("example_id", pa.int64(), nullable=False),
         pa.field("group_id", pa.int64(), nullable=False),
+        pa.field("rollout_id", pa.int64(), nullable=False),
+        pa.field("row_index", pa.int32(), nullable=False),
+        pa.field("rollout_rows", pa.int32(), nullable=False),
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
         pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("token_versions", pa.list_(pa.int32()), nullable=False),
         pa.field("reward", pa.float32(), nullable=False),
         pa.field("advantage", pa.float32(), nullable=False),
         pa.field("temperature", pa.float32(), nullable=False),
@@ -40,7 +44,10 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("metrics", pa.map_(pa.string(), pa.float32()), nullable=False),
     ]
 )
-PER_TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs")
+PER_TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs", "token_versions")
+#: Columns added after shards were first written: a shard without them reads as rows that are
+#: each a whole rollout of their own, every sampled token from the row's `policy_version`.
+ADDED_COLUMNS = ("rollout_id", "row_index", "rollout_rows", "token_versions")
 FINITE_COLUMNS = ("reward", "advantage")
 ROWS_URI = "<rows>"
 _CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError)
@@ -88,11 +95,37 @@ def conform_table(table: pa.Table, uri: str) -> pa.Table:
             raise InvalidRolloutError(
                 uri, "is not declared in ROLLOUT_SCHEMA (extra columns are refused)", column=name
             )
+    if any(name in names for name in ADDED_COLUMNS) or "group_id" not in names:
+        legacy = {}
+    else:
+        legacy = _legacy_columns(table)
     for field in ROLLOUT_SCHEMA:
-        if field.name not in names:
+        if field.name not in names and field.name not in legacy:
             raise InvalidRolloutError(uri, "is missing", column=field.name)
-    columns = [_conform_column(table[field.name], field, uri) for field in ROLLOUT_SCHEMA]
+    columns = [
+        legacy[field.name]
+        if field.name in legacy
+        else _conform_column(table[field.name], field, uri)
+        for field in ROLLOUT_SCHEMA
+    ]
     return pa.Table.from_arrays(columns, schema=ROLLOUT_SCHEMA)
+
+
+def _legacy_columns(table: pa.Table) -> dict[str, pa.Array]:
+    """`ADDED_COLUMNS` for a shard written before them (see there)."""
+    rows = table.num_rows
+    mask = table["loss_mask"].combine_chunks()
+    versions = pc.if_else(
+        pc.list_flatten(mask),
+        pc.take(table["policy_version"].combine_chunks(), pc.list_parent_indices(mask)),
+        -1,
+    )
+    return {
+        "rollout_id": pa.array(range(-rows, 0), pa.int64()),  # negative: never a real id
+        "row_index": pa.array([0] * rows, pa.int32()),
+        "rollout_rows": pa.array([1] * rows, pa.int32()),
+        "token_versions": pa.ListArray.from_arrays(mask.offsets, versions.cast(pa.int32())),
+    }
 
 
 def _first(mask: pa.Array) -> int | None:
@@ -185,6 +218,49 @@ _CHECKS: tuple[_Check, ...] = (
     _check_finite,
     _check_step,
 )
+
+
+def check_whole_rollouts(table: pa.Table, uri: str = ROWS_URI) -> None:
+    """Every rollout in `table` has all its rows, once each: the trainer never sees a fragment
+    of a rollout (a row of a split one whose other rows were dropped)."""
+    if not table.num_rows:
+        return
+    keys = table.select(["rollout_id", "row_index", "rollout_rows"])
+    rows = keys.group_by("rollout_id").aggregate(
+        [
+            ("row_index", "count_distinct"),
+            ("row_index", "count"),
+            ("rollout_rows", "min"),
+            ("rollout_rows", "max"),
+            ("row_index", "max"),
+        ]
+    )
+    whole = pc.and_(
+        pc.and_(
+            pc.equal(rows["row_index_count_distinct"], rows["row_index_count"]),
+            pc.equal(rows["rollout_rows_min"], rows["rollout_rows_max"]),
+        ),
+        pc.and_(
+            pc.equal(rows["row_index_count"], rows["rollout_rows_max"]),
+            pc.less(rows["row_index_max"], rows["rollout_rows_max"]),
+        ),
+    )
+    broken = _first(pc.invert(whole))
+    if broken is None:
+        return
+    rollout = rows["rollout_id"][broken].as_py()
+    present = sorted(
+        pc.filter(keys["row_index"], pc.equal(keys["rollout_id"], rollout)).to_pylist()
+    )
+    expected = rows["rollout_rows_max"][broken].as_py()
+    first_row = _first(pc.equal(keys["rollout_id"], rollout).combine_chunks())
+    raise InvalidRolloutError(
+        uri,
+        f"rollout {rollout} has rows {present} of {expected}: a rollout's rows are kept or "
+        "dropped together",
+        row=first_row,
+        column="row_index",
+    )
 
 
 def validate_rollouts(

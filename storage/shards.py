@@ -42,6 +42,7 @@ from storage.layout import RunLayout
 from storage.paths import join
 from storage.shard_schema import (
     ROLLOUT_SCHEMA,
+    check_whole_rollouts,
     conform_table,
     rows_to_table,
     validate_rollouts,
@@ -114,6 +115,7 @@ def write_rollouts(
         table = rows_to_table(table)
     step_dir = RunLayout.rollouts_dir(step)
     table = conform_table(table, store.url(step_dir))
+    check_whole_rollouts(table, store.url(step_dir))
     slices = [
         (offset, table.slice(offset, max_rows_per_shard))
         for offset in range(0, table.num_rows, max_rows_per_shard)
@@ -168,4 +170,5 @@ def read_rollouts(store: ObjectStore, step: int) -> pa.Table:
             store.url(step_dir),
             f"shards hold {table.num_rows} rows but _COMMITTED records {record.rows}",
         )
+    check_whole_rollouts(table, store.url(step_dir))
     return table

@@ -42,7 +42,9 @@ class EnvConfig(BaseConfig):
     args: Annotated[
         dict[str, Any], Field(description="Keyword arguments for `load_environment`.")
     ] = {}
-    ratio: Annotated[float, Field(gt=0, description="Share of each batch (normalised).")] = 1.0
+    ratio: Annotated[
+        float, Field(gt=0, description="Share of the trained samples (normalised).")
+    ] = 1.0
     sampling: Annotated[
         SamplingConfig | None, Field(description="Per-environment sampling; None: the default.")
     ] = None
@@ -114,10 +116,19 @@ class OrchestratorConfig(BaseConfig):
     ] = 8
     max_async_level: Annotated[
         int,
-        Field(ge=0, description="Batch n may use policy ≥ n-1-this; 0 is synchronous on-policy."),
+        Field(
+            ge=0,
+            description="Rollouts for batch n start from policy ≥ n-1-this; 0 is synchronous "
+            "on-policy.",
+        ),
     ] = 1
     max_off_policy_steps: Annotated[
-        int, Field(ge=0, description="Drop samples whose policy fell this many steps behind.")
+        int,
+        Field(
+            ge=0,
+            description="Drop a group once its oldest token is more than this many versions "
+            "behind the served policy (the limit for rollouts that outlive their batch).",
+        ),
     ] = 8
     max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
     poll_interval_s: Annotated[

@@ -56,7 +56,14 @@ class MixEntry:
 
 
 class EnvMix:
-    """Draws (environment, task, sampling) triples, environments in proportion to their ratio."""
+    """Draws (environment, task) pairs, environments in proportion to their ratio.
+
+    By default the proportion is of draws. A caller that knows better passes `landed`: per
+    environment, the groups that trained or are on their way. A group dropped (stale,
+    filtered out, failed) then no longer counts, so its environment is drawn again: the mix
+    holds in what trains, not merely in what was tried. Each environment's task order is its
+    own seeded stream, so `counts` (draws per environment) is all a resume needs.
+    """
 
     def __init__(self, entries: Sequence[MixEntry], seed: int) -> None:
         if not entries:
@@ -68,7 +75,21 @@ class EnvMix:
         ]
         self.counts = [0] * len(self.entries)
 
-    def next(self) -> tuple[MixEntry, Task]:
-        index = pick_by_ratio(self.counts, [entry.ratio for entry in self.entries])
+    @property
+    def ratios(self) -> list[float]:
+        return [entry.ratio for entry in self.entries]
+
+    def next(self, landed: Sequence[int] | None = None) -> tuple[int, MixEntry, Task]:
+        """The next draw: (environment index, its entry, its task)."""
+        index = pick_by_ratio(self.counts if landed is None else landed, self.ratios)
         self.counts[index] += 1
-        return self.entries[index], self._streams[index].next()
+        return index, self.entries[index], self._streams[index].next()
+
+    def skip(self, counts: Sequence[int]) -> None:
+        """Advance every environment's stream by its `counts` draws (a resume)."""
+        if len(counts) != len(self.entries):
+            raise ValueError(f"{len(counts)} draw counts for {len(self.entries)} environments")
+        for index, count in enumerate(counts):
+            for _ in range(count):
+                self._streams[index].next()
+            self.counts[index] += count

@@ -10,7 +10,7 @@ caller.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.envs.turns import Turn
 
@@ -31,6 +31,9 @@ class TokenSequence:
     num_turns: int
     #: The last turn stopped at `max_tokens` (or the context) rather than by itself.
     is_truncated: bool
+    #: The policy version that sampled each token (a turn's weights; weights can change
+    #: between turns of a long rollout), -1 on prompt and environment tokens; [] when unknown.
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def completion_len(self) -> int:
@@ -62,11 +65,13 @@ def _sequence(turns: list[Turn]) -> TokenSequence:
     token_ids: list[int] = []
     loss_mask: list[bool] = []
     logprobs: list[float] = []
+    versions: list[int] = []
     for turn in turns:
         context = turn.prompt_ids[len(token_ids) :]
         token_ids.extend(context)
         loss_mask.extend([False] * len(context))
         logprobs.extend([0.0] * len(context))
+        versions.extend([-1] * len(context))
         if len(turn.logprobs) != len(turn.completion_ids):
             raise ValueError(
                 f"turn has {len(turn.completion_ids)} sampled tokens but "
@@ -75,6 +80,7 @@ def _sequence(turns: list[Turn]) -> TokenSequence:
         token_ids.extend(turn.completion_ids)
         loss_mask.extend([True] * len(turn.completion_ids))
         logprobs.extend(turn.logprobs)
+        versions.extend([turn.policy_version] * len(turn.completion_ids))
     return TokenSequence(
         token_ids=token_ids,
         loss_mask=loss_mask,
@@ -83,6 +89,7 @@ def _sequence(turns: list[Turn]) -> TokenSequence:
         policy_version=min(turn.policy_version for turn in turns),
         num_turns=len(turns),
         is_truncated=turns[-1].is_truncated,
+        token_versions=versions,
     )
 
 

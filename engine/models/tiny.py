@@ -31,7 +31,7 @@ from engine.models.char_tokenizer import (
 )
 
 #: Bump when the factory's output changes for an unchanged spec, so stale caches are not reused.
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2  # 2: the chat template renders tools and tool calls
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

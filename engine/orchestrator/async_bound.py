@@ -1,23 +1,29 @@
 """The async bound: how far behind the trainer the policies behind a batch may be.
 
 Policy version v is the weights after trainer step v (0: the starting weights); the trainer
-makes version n from batch n. Batch n may use any policy version >= n - 1 - max_async_level:
-with `max_async_level = 0` batch n is sampled from version n - 1 exactly (synchronous,
-on-policy); with 1, the orchestrator may sample batch n + 1 while the trainer works on batch n.
-Every sample carries the oldest version behind any of its tokens; a sample is stale, and
-dropped, when that version is below the batch's bound, or more than `max_off_policy_steps`
-behind the version the pool serves when the batch is assembled.
+makes version n from batch n. Rollouts for batch n start only while the pool serves a version
+>= n - 1 - max_async_level (`may_sample_for`): with `max_async_level = 0` batch n is sampled
+from version n - 1 exactly (synchronous, on-policy); with 1, the orchestrator may sample batch
+n + 1 while the trainer works on batch n.
+
+A rollout that outlives the batch it started for (a multi-turn or tool rollout, during which
+the pool may load newer weights between turns; every token records the version that sampled
+it) lands in a later batch. With `max_async_level >= 1` it is kept while its oldest token is
+at most `max_off_policy_steps` behind the served policy: the trainer's importance ratio, taken
+against the log-probs of the very weights that sampled each token, accounts for the lag (the
+in-flight weight updates of PipelineRL, prime-rl's `max_off_policy_steps`). Dropping it, as
+this module once did, threw away most of a slow environment's rollouts and starved it. With
+`max_async_level = 0` a batch holds version n - 1 only, since on-policy is the point of it.
+
+A group is the unit: its advantages are relative to each other, so it is kept or dropped whole.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from typing import TypeVar
 
 from engine.orchestrator.samples import TrainSample
 
-Item = TypeVar("Item", bound=TrainSample)
 STALE_REASONS = ("stale/async_bound", "stale/off_policy")
 
 
@@ -39,35 +45,29 @@ def stale_reason(
     max_async_level: int,
     max_off_policy_steps: int,
 ) -> str | None:
-    """Why a sample of policy `version` may not go into batch `step`, or None."""
-    if version < min_policy_version(step, max_async_level):
+    """Why a group whose oldest token is of policy `version` may not go into batch `step`."""
+    if max_async_level == 0 and version < min_policy_version(step, 0):
         return "stale/async_bound"
     if served_version - version > max_off_policy_steps:
         return "stale/off_policy"
     return None
 
 
-def drop_stale(
-    samples: Sequence[Item],
+def stale_group(
+    samples: Sequence[TrainSample],
     *,
     step: int,
     served_version: int,
     max_async_level: int,
     max_off_policy_steps: int,
-) -> tuple[list[Item], Counter[str]]:
-    """The samples fresh enough for batch `step`, and the stale ones counted by reason."""
-    fresh: list[Item] = []
-    dropped: Counter[str] = Counter()
-    for sample in samples:
-        reason = stale_reason(
-            sample.policy_version,
-            step=step,
-            served_version=served_version,
-            max_async_level=max_async_level,
-            max_off_policy_steps=max_off_policy_steps,
-        )
-        if reason is None:
-            fresh.append(sample)
-        else:
-            dropped[reason] += 1
-    return fresh, dropped
+) -> str | None:
+    """Why the group of `samples` may not go into batch `step` (its oldest token decides)."""
+    if not samples:
+        return None
+    return stale_reason(
+        min(sample.policy_version for sample in samples),
+        step=step,
+        served_version=served_version,
+        max_async_level=max_async_level,
+        max_off_policy_steps=max_off_policy_steps,
+    )

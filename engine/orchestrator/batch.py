@@ -1,8 +1,10 @@
-"""One training step's batch: groups in, stale samples and filtered groups out, until full.
+"""One training step's batch: groups in, stale groups and filtered samples out, until full.
 
 The builder is the single place where samples are admitted to a step, so the async bound and
-the filters hold for every shard however rollouts were scheduled. Groups are never split: the
-batch closes at the first group that takes it to `batch_size` samples (or tokens).
+the filters hold for every shard however rollouts were scheduled. Groups are never split: a
+stale group is dropped whole (so no rollout is trained without its group, nor a row of a split
+rollout without the others), and the batch closes at the first group that takes it to
+`batch_size` samples (or tokens).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.orchestrator.async_bound import STALE_REASONS, drop_stale
+from engine.orchestrator.async_bound import STALE_REASONS, stale_group
 from engine.orchestrator.filters import Filter, apply_filters
 from engine.orchestrator.samples import SKIP_REASONS, Group, TrainSample
 
@@ -26,6 +28,9 @@ class StepBatch:
     counts: Counter[str] = field(default_factory=Counter)
     #: Rewards of every fresh sample by environment, before filters: what the policy earned.
     rewards: dict[str, list[float]] = field(default_factory=dict)
+    #: Sampled tokens of every group that arrived, and of those dropped as stale, by env.
+    sampled_tokens: Counter[str] = field(default_factory=Counter)
+    stale_tokens: Counter[str] = field(default_factory=Counter)
 
     @property
     def num_tokens(self) -> int:
@@ -64,24 +69,31 @@ class BatchBuilder:
     def full(self) -> bool:
         return self.size >= self._batch_size
 
-    def add(self, group: Group, served_version: int) -> None:
-        """Admit what is fresh and passes the filters; count the rest under the step."""
+    def add(self, group: Group, served_version: int) -> bool:
+        """Admit the group if it is fresh, minus what the filters drop; count the rest under
+        the step. Returns whether any of its samples went in."""
         counts = self.batch.counts
         counts["groups"] += 1
         counts["rollouts"] += group.rollouts
         counts["splits"] += group.splits
         counts.update({f"skipped/{reason}": n for reason, n in group.skipped.items()})
-        fresh, stale = drop_stale(
+        tokens = sum(sample.sequence.sampled_tokens for sample in group.samples)
+        self.batch.sampled_tokens[group.env] += tokens
+        stale = stale_group(
             group.samples,
             step=self.batch.step,
             served_version=served_version,
             max_async_level=self._max_async_level,
             max_off_policy_steps=self._max_off_policy_steps,
         )
-        counts.update(stale)
-        if fresh:
-            self.batch.rewards.setdefault(group.env, []).extend(s.reward for s in fresh)
-        kept, filtered = apply_filters([fresh] if fresh else [], self._filters)
+        if stale is not None:
+            counts[stale] += len(group.samples)
+            self.batch.stale_tokens[group.env] += tokens
+            return False
+        if group.samples:
+            self.batch.rewards.setdefault(group.env, []).extend(s.reward for s in group.samples)
+        kept, filtered = apply_filters([group.samples] if group.samples else [], self._filters)
         counts.update(filtered)
         for samples in kept:
             self.batch.samples.extend(samples)
+        return any(kept)

@@ -3,8 +3,10 @@
 A filter looks at one group's samples and says which to keep. `zero_advantage` drops samples
 with no advantage (no gradient, only compute); `difficulty` drops whole groups whose rewards are
 all equal (the task was too easy or too hard for the policy right now: online difficulty
-filtering); a `custom` filter is `fn(samples, **kwargs) -> list[bool]`. Each filter counts the
-samples and groups it dropped, and those counts are step metrics.
+filtering); a `custom` filter is `fn(samples, **kwargs) -> list[bool]`. A rollout split into
+several rows (a chat template rewrote its history) is kept or dropped whole: dropping one of
+its rows drops the others. Each filter counts the samples and groups it dropped, and those
+counts are step metrics.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def apply_filters(
                 raise ValueError(
                     f"filter {flt.name!r} returned {len(mask)} flags for {len(kept)} samples"
                 )
-            survivors = [sample for sample, keep in zip(kept, mask, strict=True) if keep]
+            # A rollout's rows go together: one row dropped drops the rollout.
+            dropped = {s.rollout_id for s, keep in zip(kept, mask, strict=True) if not keep}
+            survivors = [sample for sample in kept if sample.rollout_id not in dropped]
             counts[f"filter/{flt.name}/dropped_samples"] += len(kept) - len(survivors)
             counts[f"filter/{flt.name}/dropped_groups"] += int(not survivors)
             kept = survivors

@@ -31,7 +31,7 @@ from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import Group, TrainSample, build_group
-from engine.orchestrator.step_metrics import step_metrics
+from engine.orchestrator.step_metrics import mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 METRICS_STAGE = "orchestrator"
 #: Consecutive failed reloads of a committed checkpoint before the run stops.
 MAX_RELOAD_FAILURES = 3
+#: Steps over which each environment's trained share is measured (and starvation reported).
+MIX_WINDOW = 10
 
 
 class OrchestratorStoppedError(RuntimeError):
@@ -64,6 +66,7 @@ class PolicyServer(Protocol):
 
 @dataclass(frozen=True)
 class _Launch:
+    index: int
     entry: MixEntry
     task: Task
     group_id: int
@@ -98,11 +101,16 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.generator = TurnGenerator(sampler, ChatTokenizer(tokenizer), config.seq_len)
         self.mix = EnvMix(envs, seed=seed)
+        #: Per environment: groups admitted to a batch or still on their way (in flight or
+        #: waiting for the next batch); draws follow the mix ratios over these.
+        self._landed = [0] * len(envs)
+        self._env_index = {entry.env.name: index for index, entry in enumerate(envs)}
+        self._trained_window: deque[dict[str, int]] = deque(maxlen=MIX_WINDOW)
         self.advantage_fn = build_advantage_fn(config.advantage, config.sampling.max_tokens)
         self.filters = build_filters(config.filters)
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
-        self._pending: deque[Group] = deque()
+        self._pending: deque[tuple[int, Group]] = deque()
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
@@ -133,9 +141,15 @@ class Orchestrator:
         last = latest_committed_step(self.store, RunLayout.ROLLOUTS)
         if last is None:
             return 1
-        drawn = int(read_commit(self.store, RunLayout.rollouts_dir(last)).meta.get("groups", 0))
-        for _ in range(drawn):
-            self.mix.next()
+        meta = read_commit(self.store, RunLayout.rollouts_dir(last)).meta
+        draws = meta.get("draws")
+        if isinstance(draws, list) and len(draws) == len(self.mix.entries):
+            self.mix.skip([int(count) for count in draws])
+        else:  # written when draws followed the ratios alone: replay them
+            for _ in range(int(meta.get("groups", 0))):
+                self.mix.next()
+        drawn = sum(self.mix.counts)
+        self._group_ids = itertools.count(drawn)  # group (and rollout) ids stay unique
         logger.info("resuming after committed rollouts step %d (%d groups drawn)", last, drawn)
         return last + 1
 
@@ -154,7 +168,9 @@ class Orchestrator:
             await self._refresh_policy()
             served = self.server.policy_version
             while self._pending and not builder.full:
-                builder.add(self._pending.popleft(), served)
+                index, group = self._pending.popleft()
+                if not builder.add(group, served):
+                    self._landed[index] -= 1  # it will not train: draw its environment again
             if builder.full:
                 return builder.batch
             if may_sample_for(step, served, self.config.max_async_level):
@@ -194,19 +210,21 @@ class Orchestrator:
         while not self._inflight or (len(self._inflight) + 1) * per_group <= (
             self.config.max_concurrent
         ):
-            entry, task = self.mix.next()
+            index, entry, task = self.mix.next(self._landed)
+            self._landed[index] += 1
             coroutine = entry.env.run_group(task, per_group, self.generator, entry.sampling)
             launched = asyncio.create_task(coroutine)
-            self._inflight[launched] = _Launch(entry, task, next(self._group_ids))
+            self._inflight[launched] = _Launch(index, entry, task, next(self._group_ids))
 
-    def _finish(self, task: asyncio.Task[list[Rollout]]) -> Group:
+    def _finish(self, task: asyncio.Task[list[Rollout]]) -> tuple[int, Group]:
         launch = self._inflight.pop(task)
-        return build_group(
+        group = build_group(
             task.result(),  # failures of the pool itself propagate and stop the run
             group_id=launch.group_id,
             temperature=launch.entry.sampling.temperature,
             advantage_fn=self.advantage_fn,
         )
+        return launch.index, group
 
     async def _cancel_inflight(self) -> None:
         tasks = list(self._inflight)
@@ -251,6 +269,27 @@ class Orchestrator:
 
     # -- output -----------------------------------------------------------------------------
 
+    def _mix_metrics(self, step: int, batch: StepBatch) -> dict[str, float]:
+        """Requested against trained share per environment, this step and over the last
+        `MIX_WINDOW` steps; a warning when an environment trained nothing in a whole window."""
+        trained = {entry.env.name: 0 for entry in self.mix.entries}
+        for sample in batch.samples:
+            trained[sample.env] += 1
+        self._trained_window.append(trained)
+        window = {env: sum(counts[env] for counts in self._trained_window) for env in trained}
+        ratios = dict(zip(trained, self.mix.ratios, strict=True))
+        metrics = mix_shares(ratios, trained, window)
+        starved = [env for env, count in window.items() if count == 0]
+        if starved and len(self._trained_window) == MIX_WINDOW and step % MIX_WINDOW == 0:
+            logger.warning(
+                "no sample of %s was trained in the last %d steps: its groups are too slow for "
+                "max_off_policy_steps (%d), fail, or are filtered out",
+                ", ".join(starved),
+                MIX_WINDOW,
+                self.config.max_off_policy_steps,
+            )
+        return metrics
+
     def _row(self, step: int, sample: TrainSample) -> dict[str, Any]:
         sequence = sample.sequence
         prompt, completion = (
@@ -263,9 +302,13 @@ class Orchestrator:
             "env": sample.env,
             "example_id": sample.example_id,
             "group_id": sample.group_id,
+            "rollout_id": sample.rollout_id,
+            "row_index": sample.row_index,
+            "rollout_rows": sample.rollout_rows,
             "token_ids": sequence.token_ids,
             "loss_mask": sequence.loss_mask,
             "logprobs": sequence.logprobs,
+            "token_versions": sequence.token_versions,
             "reward": sample.reward,
             "advantage": sample.advantage,
             "temperature": sample.temperature,
@@ -284,9 +327,14 @@ class Orchestrator:
         """
         served = self.server.policy_version
         rows = [self._row(step, sample) for sample in batch.samples]
-        meta = {"groups": sum(self.mix.counts), "served_version": served}
+        meta = {
+            "groups": sum(self.mix.counts),
+            "draws": list(self.mix.counts),
+            "served_version": served,
+        }
         metrics = {
             **step_metrics(batch, served_version=served, elapsed_s=elapsed_s),
+            **self._mix_metrics(step, batch),
             **self._timing,
             "policy/verified_tensors": self.server.verified_tensors,
         }

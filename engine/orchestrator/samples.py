@@ -37,6 +37,12 @@ class TrainSample:
     metrics: dict[str, float]
     #: The whole rollout's sampled tokens (all its sequences), for length metrics.
     rollout_tokens: int
+    #: The rollout this row is part of (unique in the run: group id × group size + its index
+    #: in the group), the row's index in it, and how many rows it has (several when a chat
+    #: template rewrote history): a rollout's rows are kept or dropped together.
+    rollout_id: int = 0
+    row_index: int = 0
+    rollout_rows: int = 1
 
     @property
     def policy_version(self) -> int:
@@ -87,8 +93,8 @@ def build_group(
     """Training samples of one played group, with skips and splits counted."""
     env = rollouts[0].env if rollouts else ""
     group = Group(env=env, group_id=group_id, samples=[], rollouts=len(rollouts))
-    usable: list[tuple[Rollout, list[TokenSequence]]] = []
-    for rollout in rollouts:
+    usable: list[tuple[int, Rollout, list[TokenSequence]]] = []
+    for index, rollout in enumerate(rollouts):
         reason = skip_reason(rollout)
         if reason is not None:
             group.skipped[reason] += 1
@@ -104,10 +110,12 @@ def build_group(
         sequences = assemble(rollout.turns)
         if rollout.context_exhausted:  # the conversation was cut off by the context, not ended
             sequences[-1] = dataclasses.replace(sequences[-1], is_truncated=True)
-        usable.append((rollout, sequences))
-    lengths = [sum(s.sampled_tokens for s in sequences) for _, sequences in usable]
-    advantages = advantage_fn([r.reward for r, _ in usable], lengths)
-    for (rollout, sequences), advantage, length in zip(usable, advantages, lengths, strict=True):
+        usable.append((index, rollout, sequences))
+    lengths = [sum(s.sampled_tokens for s in sequences) for _, _, sequences in usable]
+    advantages = advantage_fn([r.reward for _, r, _ in usable], lengths)
+    for (index, rollout, sequences), advantage, length in zip(
+        usable, advantages, lengths, strict=True
+    ):
         if len(sequences) > 1:
             group.splits += len(sequences) - 1
             logger.warning(
@@ -128,7 +136,10 @@ def build_group(
                 temperature=temperature,
                 metrics=rollout.metrics,
                 rollout_tokens=length,
+                rollout_id=group_id * len(rollouts) + index,
+                row_index=row,
+                rollout_rows=len(sequences),
             )
-            for sequence in sequences
+            for row, sequence in enumerate(sequences)
         )
     return group

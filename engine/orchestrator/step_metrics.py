@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.orchestrator.batch import StepBatch
 
@@ -47,6 +47,35 @@ def step_metrics(batch: StepBatch, *, served_version: int, elapsed_s: float) -> 
     for env, rewards in sorted(batch.rewards.items()):
         metrics[f"reward/{env}/mean"] = _mean(rewards)
         metrics[f"reward/{env}/std"] = _std(rewards)
+    for env, sampled in sorted(batch.sampled_tokens.items()):
+        # Of the tokens sampled for this environment's groups that reached this step, the
+        # share thrown away because the groups had fallen too far behind the policy.
+        stale = batch.stale_tokens[env]
+        metrics[f"tokens/{env}/sampled"] = sampled
+        metrics[f"tokens/{env}/stale"] = stale
+        metrics[f"stale/{env}/token_fraction"] = stale / sampled if sampled else 0.0
+    token_lags = [
+        served_version - version
+        for sample in samples
+        for version in sample.sequence.token_versions
+        if version >= 0
+    ]
+    metrics["off_policy/token_lag_mean"] = _mean(token_lags)
     for key, value in sorted(batch.counts.items()):
         metrics[f"count/{key}"] = value
+    return metrics
+
+
+def mix_shares(
+    ratios: Mapping[str, float], trained: Mapping[str, int], window: Mapping[str, int]
+) -> dict[str, float]:
+    """`mix/<env>/requested` (its normalised ratio) beside `mix/<env>/trained` (its share of
+    this step's samples) and `mix/<env>/trained_window` (of the last steps' samples)."""
+    total_ratio = math.fsum(ratios.values())
+    step_total, window_total = sum(trained.values()), sum(window.values())
+    metrics = {}
+    for env, ratio in ratios.items():
+        metrics[f"mix/{env}/requested"] = ratio / total_ratio
+        metrics[f"mix/{env}/trained"] = trained[env] / step_total if step_total else 0.0
+        metrics[f"mix/{env}/trained_window"] = window[env] / window_total if window_total else 0.0
     return metrics

@@ -144,8 +144,8 @@ def test_every_rl_step_is_committed_once_with_valid_shards(run: FinishedRun) -> 
     assert steps == list(range(1, run.config.max_steps + 1))
     for step in steps:
         table = read_rollouts(run.store, step)  # checksums, schema and row count verified
-        # Groups are never split: a group that lost stale samples to the async bound closes
-        # the batch with what is left of it, so a step may hold up to a group's worth more.
+        # Groups are never split: a group that lost rollouts (skipped, filtered) closes the
+        # batch with what is left of it, so a step may hold up to a group's worth more.
         orchestrator = run.config.orchestrator
         extra = table.num_rows - orchestrator.batch_size
         assert 0 <= extra < orchestrator.rollouts_per_example, (step, table.num_rows)

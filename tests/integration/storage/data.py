@@ -39,9 +39,15 @@ def rollout_table(rows: int, *, step: int, seq_len: int = 64, seed: int = 0) -> 
         "env": pa.array(["reverse_text"] * rows),
         "example_id": pa.array(index // 4),
         "group_id": pa.array(index // 4),
+        "rollout_id": pa.array(index),
+        "row_index": pa.array(np.zeros(rows, dtype=np.int32)),
+        "rollout_rows": pa.array(np.ones(rows, dtype=np.int32)),
         "token_ids": pa.ListArray.from_arrays(offsets, pa.array(token_ids)),
         "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(loss_mask)),
         "logprobs": pa.ListArray.from_arrays(offsets, pa.array(logprobs)),
+        "token_versions": pa.ListArray.from_arrays(
+            offsets, pa.array(np.where(loss_mask, max(step - 1, 0), -1).astype(np.int32))
+        ),
         "reward": pa.array(reward),
         "advantage": pa.array(reward - 0.5),
         "temperature": pa.array(np.ones(rows, dtype=np.float32)),

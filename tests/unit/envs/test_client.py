@@ -100,7 +100,21 @@ def test_tool_env_runs_tools_and_keeps_a_verbatim_trajectory(tmp_path: Path, pol
     )
 
 
-def test_a_template_that_drops_tool_calls_splits_the_tool_trajectory(
+#: A call in the format Qwen's template (and the tiny model's) renders it.
+QWEN_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+#: Plain ChatML: the assistant's `tool_calls` are not rendered, as in many older templates.
+PLAIN_CHATML = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _qwen_calls_then_answers(prompt: str) -> str:
+    return "5" if "<tool_response>\n5\n</tool_response>" in prompt else QWEN_CALL
+
+
+def test_the_tiny_template_keeps_a_tool_trajectory_in_one_sequence(
     hf_tokenizer: Any, policy: Any, generator: Any
 ) -> None:
     env = _tool_env()
@@ -108,10 +122,32 @@ def test_a_template_that_drops_tool_calls_splits_the_tool_trajectory(
         env.run_group(
             env.tasks("train")[0],
             1,
-            generator(policy(_calls_then_answers)),
+            generator(policy(_qwen_calls_then_answers)),
             SamplingConfig(max_tokens=96),
         )
     )
-    # Plain ChatML renders the call as empty content, so the second turn cannot extend the first.
+    assert rollout.error is None and rollout.reward == 1.0
+    (sequence,) = assemble(rollout.turns)  # the model's own call is in its next context
+    text = hf_tokenizer.decode(sequence.token_ids)
+    assert "<tools>\n" in text and '"name": "add"' in text  # the schema reached the model
+    assert text.endswith(
+        QWEN_CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    )
+
+
+def test_a_template_that_drops_tool_calls_splits_the_tool_trajectory(
+    tmp_path: Path, policy: Any
+) -> None:
+    write_tokenizer(tmp_path, model_max_length=4096)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    tokenizer.chat_template = PLAIN_CHATML
+    sampler = policy(_calls_then_answers)
+    generator = TurnGenerator(sampler, ChatTokenizer(tokenizer), 1024)
+    env = _tool_env()
+    (rollout,) = asyncio.run(
+        env.run_group(env.tasks("train")[0], 1, generator, SamplingConfig(max_tokens=96))
+    )
+    # The call renders as empty content, so the second turn cannot extend the first.
     assert rollout.reward == 1.0
     assert [s.num_turns for s in assemble(rollout.turns)] == [1, 1]

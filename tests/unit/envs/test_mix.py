@@ -48,9 +48,17 @@ def test_mix_draws_environments_by_ratio_with_their_sampling() -> None:
         ],
         seed=0,
     )
-    drawn = [mix.next() for _ in range(40)]
+    drawn = [mix.next()[1:] for _ in range(40)]
     assert Counter(task.env for _, task in drawn) == {"reverse-text": 30, "arithmetic": 10}
     assert all(entry.env.name == task.env for entry, task in drawn)
     assert {entry.sampling.temperature for entry, task in drawn if task.env == "arithmetic"} == {
         0.5
     }
+    # Given what landed (trained or on its way), the environment behind its share is drawn,
+    # however often it was drawn before: its dropped groups are made up for.
+    assert mix.next(landed=[30, 2])[0] == 1
+    # A resume advances each task stream by its own draws: the same tasks come next.
+    again = EnvMix(mix.entries, seed=0)
+    again.skip(mix.counts)
+    assert again.next(landed=[0, 1])[2] == mix.next(landed=[0, 1])[2]
+    assert again.counts == mix.counts

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 from engine.envs import TokenSequence
 from engine.orchestrator.samples import Group, TrainSample
+
+#: Each sample is a rollout of its own unless a test says otherwise.
+_rollout_ids = itertools.count()
 
 
 def sample(
@@ -13,6 +18,7 @@ def sample(
     advantage: float = 0.0,
     version: int = 0,
     completion: int = 2,
+    rollout_id: int | None = None,
 ) -> TrainSample:
     sequence = TokenSequence(
         token_ids=[1, 2] + [3] * completion,
@@ -22,6 +28,7 @@ def sample(
         policy_version=version,
         num_turns=1,
         is_truncated=False,
+        token_versions=[-1, -1] + [version] * completion,
     )
     return TrainSample(
         env="env",
@@ -33,6 +40,7 @@ def sample(
         temperature=1.0,
         metrics={},
         rollout_tokens=completion,
+        rollout_id=next(_rollout_ids) if rollout_id is None else rollout_id,
     )
 
 

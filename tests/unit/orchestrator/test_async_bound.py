@@ -3,8 +3,10 @@
 The model drives the orchestrator's own decisions — `may_sample_for` gates new rollouts and
 `BatchBuilder` admits finished groups — against a trainer that turns batch n into policy n after
 a random time, a pool that serves each checkpoint after a random reload delay, and rollouts of
-random length stamped with the policy served when they started. Whatever the timings: no batch
-holds a sample older than its bound, every stale sample is dropped and counted, none is lost.
+random length stamped with the policy served when they started. Whatever the timings: every
+rollout started under the bound of the batch being built then (and, synchronous, only the
+previous policy trains each batch), no batch holds a group further behind the served policy
+than `max_off_policy_steps`, every stale sample is dropped and counted, none is lost.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def simulate(
     rollout_times: list[float],
     train_times: list[float],
     reload_times: list[float],
-) -> tuple[list[StepBatch], list[tuple[int, int, int]], int, int]:
-    """Run the model; returns batches, (step, version, served) per admission, made and pending."""
+) -> tuple[list[StepBatch], list[tuple[int, int, int, int]], int, int]:
+    """Run the model; returns batches, (step, version, served, launched for) per admitted
+    sample, made and pending."""
     events: list[tuple[float, int, str, int]] = []
     order = itertools.count()
     rollout_time, train_time, reload_time = (
@@ -46,9 +49,10 @@ def simulate(
     trainer_free_at = 0.0
     step = 1
     versions: dict[int, int] = {}
+    launched_for: dict[int, int] = {}
     pending: list[Group] = []
     batches: list[StepBatch] = []
-    admissions: list[tuple[int, int, int]] = []
+    admissions: list[tuple[int, int, int, int]] = []
     made = 0
 
     def builder(for_step: int) -> BatchBuilder:
@@ -66,7 +70,10 @@ def simulate(
         # Place finished groups; close and hand over full batches.
         while pending and step <= steps:
             finished = pending.pop(0)
-            admissions += [(step, s.policy_version, served) for s in finished.samples]
+            admissions += [
+                (step, s.policy_version, served, launched_for[finished.group_id])
+                for s in finished.samples
+            ]
             current.add(finished, served)
             if current.full:
                 batches.append(current.batch)
@@ -79,7 +86,7 @@ def simulate(
         # Start rollouts while the pool's policy may go into the batch being built.
         while in_flight < concurrency and may_sample_for(step, served, max_async_level):
             gid = next(group_ids)
-            versions[gid] = served
+            versions[gid], launched_for[gid] = served, step
             in_flight += 1
             heapq.heappush(events, (now + next(rollout_time), next(order), "group", gid))
         now, _, kind, value = heapq.heappop(events)  # the model never runs dry: assert below
@@ -134,13 +141,13 @@ def test_no_batch_uses_a_policy_older_than_allowed_and_stale_samples_are_counted
     assert [b.step for b in batches] == list(range(1, steps + 1))
     for batch in batches:
         assert len(batch.samples) >= group_size * groups_per_batch
-        bound = min_policy_version(batch.step, max_async_level)
-        assert all(sample.policy_version >= bound for sample in batch.samples)
         if max_async_level == 0:
             assert {s.policy_version for s in batch.samples} == {batch.step - 1}
+    for _, version, _, launched in admissions:  # no rollout started ahead of the bound
+        assert version >= min_policy_version(launched, max_async_level)
     expected = Counter(
         reason
-        for step, version, served in admissions
+        for step, version, served, _ in admissions
         if (
             reason := stale_reason(
                 version,
@@ -158,7 +165,7 @@ def test_no_batch_uses_a_policy_older_than_allowed_and_stale_samples_are_counted
     used = sum(len(batch.samples) for batch in batches)
     in_open_batch = made - used - sum(expected.values()) - leftover
     assert in_open_batch >= 0  # admitted to the step after the last one, never lost
-    for step, version, served in admissions:
+    for step, version, served, _ in admissions:
         if (
             stale_reason(
                 version,
@@ -178,5 +185,9 @@ def test_the_bound_itself() -> None:
     assert may_sample_for(3, 1, 1) and not may_sample_for(3, 0, 1)
     kwargs = {"step": 5, "served_version": 4, "max_async_level": 1}
     assert stale_reason(3, **kwargs, max_off_policy_steps=8) is None
-    assert stale_reason(2, **kwargs, max_off_policy_steps=8) == "stale/async_bound"
+    # Asynchronous: a group that started under its bound is late, not stale, within the cap.
+    assert stale_reason(2, **kwargs, max_off_policy_steps=8) is None
     assert stale_reason(3, **kwargs, max_off_policy_steps=0) == "stale/off_policy"
+    synchronous = {**kwargs, "max_async_level": 0}
+    assert stale_reason(4, **synchronous, max_off_policy_steps=8) is None
+    assert stale_reason(3, **synchronous, max_off_policy_steps=8) == "stale/async_bound"

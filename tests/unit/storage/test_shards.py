@@ -18,6 +18,7 @@ from storage.errors import (
     NotCommittedError,
 )
 from storage.layout import RunLayout
+from storage.shard_schema import conform_table
 from storage.shards import ROLLOUT_SCHEMA, read_rollouts, rows_to_table, write_rollouts
 from storage.store import ObjectStore
 from tests.unit.storage.samples import make_row, rows
@@ -133,7 +134,9 @@ def test_rows_with_missing_or_undeclared_keys_are_refused() -> None:
         ),
         (
             lambda t: t.set_column(
-                5, "token_ids", pa.array([[2**40]] * t.num_rows, pa.list_(pa.int64()))
+                t.schema.get_field_index("token_ids"),
+                "token_ids",
+                pa.array([[2**40]] * t.num_rows, pa.list_(pa.int64())),
             ),
             "column 'token_ids': cannot be stored as list<item: int32> without loss",
         ),
@@ -208,3 +211,29 @@ def test_rewrite_after_a_crash_replaces_the_debris(memory_store: ObjectStore) ->
     write_rollouts(memory_store, 3, rows(2), max_rows_per_shard=3)
     assert memory_store.list(RunLayout.rollouts_dir(3)) == [MARKER, "shard-00000.arrow"]
     assert read_rollouts(memory_store, 3).num_rows == 2
+
+
+def test_a_fragment_of_a_split_rollout_is_refused_and_a_whole_one_is_kept(
+    memory_store: ObjectStore,
+) -> None:
+    split = [make_row(0, rollout_id=7, row_index=i, rollout_rows=3) for i in range(3)]
+    write_rollouts(memory_store, 3, [*split, make_row(1)], max_rows_per_shard=2)
+    table = read_rollouts(memory_store, 3)  # its rows span two shards: still whole
+    assert table.column("rollout_id").to_pylist() == [7, 7, 7, 1]
+    with pytest.raises(InvalidRolloutError, match=r"rollout 7 has rows \[0, 2\] of 3") as bad:
+        write_rollouts(memory_store, 4, [split[0], split[2]], max_rows_per_shard=2)
+    assert bad.value.column == "row_index"
+    assert committed_steps(memory_store, RunLayout.ROLLOUTS) == [3]
+
+
+def test_a_shard_written_before_rollout_ids_reads_as_one_rollout_per_row(
+    memory_store: ObjectStore,
+) -> None:
+    old = rows_to_table(rows(3)).drop_columns(
+        ["rollout_id", "row_index", "rollout_rows", "token_versions"]
+    )
+    table = conform_table(old, "<old shard>")
+    assert table.column("rollout_rows").to_pylist() == [1, 1, 1]
+    assert len(set(table.column("rollout_id").to_pylist())) == 3
+    mask, versions = table.column("loss_mask")[0].as_py(), table.column("token_versions")[0]
+    assert versions.as_py() == [2 if sampled else -1 for sampled in mask]  # policy_version 2
