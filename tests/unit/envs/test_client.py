@@ -81,16 +81,21 @@ def _calls_then_answers(prompt: str) -> str:
     return "5" if "<|im_start|>tool\n5" in prompt else CALL
 
 
-def test_tool_env_runs_tools_and_keeps_a_verbatim_trajectory(tmp_path: Path, policy: Any) -> None:
-    write_tokenizer(tmp_path, model_max_length=4096)
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    tokenizer.chat_template = TOOL_TEMPLATE
-    sampler = policy(_calls_then_answers)
-    generator = TurnGenerator(sampler, ChatTokenizer(tokenizer), 1024)
+def _tool_rollout(folder: Path, policy: Any, template: str) -> tuple[Any, Any]:
+    """(tokenizer, rollout): the adder task played by `_calls_then_answers` under `template`."""
+    write_tokenizer(folder, model_max_length=4096)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = template
+    generator = TurnGenerator(policy(_calls_then_answers), ChatTokenizer(tokenizer), 1024)
     env = _tool_env()
     (rollout,) = asyncio.run(
         env.run_group(env.tasks("train")[0], 1, generator, SamplingConfig(max_tokens=96))
     )
+    return tokenizer, rollout
+
+
+def test_tool_env_runs_tools_and_keeps_a_verbatim_trajectory(tmp_path: Path, policy: Any) -> None:
+    tokenizer, rollout = _tool_rollout(tmp_path, policy, TOOL_TEMPLATE)
     assert rollout.error is None and rollout.reward == 1.0
     assert rollout.metrics["add_calls"] == 1.0
     (sequence,) = assemble(rollout.turns)
@@ -139,15 +144,7 @@ def test_the_tiny_template_keeps_a_tool_trajectory_in_one_sequence(
 def test_a_template_that_drops_tool_calls_splits_the_tool_trajectory(
     tmp_path: Path, policy: Any
 ) -> None:
-    write_tokenizer(tmp_path, model_max_length=4096)
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    tokenizer.chat_template = PLAIN_CHATML
-    sampler = policy(_calls_then_answers)
-    generator = TurnGenerator(sampler, ChatTokenizer(tokenizer), 1024)
-    env = _tool_env()
-    (rollout,) = asyncio.run(
-        env.run_group(env.tasks("train")[0], 1, generator, SamplingConfig(max_tokens=96))
-    )
+    _, rollout = _tool_rollout(tmp_path, policy, PLAIN_CHATML)
     # The call renders as empty content, so the second turn cannot extend the first.
     assert rollout.reward == 1.0
     assert [s.num_turns for s in assemble(rollout.turns)] == [1, 1]
