@@ -28,6 +28,7 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports  # the layering contracts in pyproject.toml
 
 test: lint
 	$(BIN)/python -m pytest

@@ -97,7 +97,12 @@ def _trainer(config: PrimeflowConfig, argv: list[str]) -> int:
 def _reproduce(argv: list[str], dry_run: bool) -> int:
     from flows.reproduce import main as reproduce_main
 
-    return reproduce_main(argv, dry_run)
+    def run_command(name: str, config: PrimeflowConfig) -> int:
+        runner = COMMANDS[name].run
+        assert runner is not None
+        return runner(config, [])
+
+    return reproduce_main(argv, dry_run, run_command)
 
 
 def _deploy(argv: list[str], dry_run: bool) -> int:

@@ -16,17 +16,16 @@ from prefect import flow
 from engine.config import PrimeflowConfig
 from engine.config.run import StorageConfig
 from engine.run import open_run, run_store, store_at
-from engine.trainer.pool import Stage
 from flows.pipeline import flow_run_name, metrics_sink, resolve
 from flows.reproduce import recorded_config
 from storage.checkpoints import require_committed
 from storage.commit import latest_committed_step
 from storage.errors import ObjectNotFoundError
-from storage.layout import RunLayout
+from storage.layout import RunLayout, Stage
 from storage.manifest import read_manifest
 from tasks.hooks import kill_pools_on_exit
 from tasks.pools import inference_pool
-from tasks.stages import CHECKPOINT_PARENTS, evaluate_checkpoint
+from tasks.stages import evaluate_checkpoint
 
 
 def run_config_at(root: str, storage: StorageConfig) -> PrimeflowConfig:
@@ -73,9 +72,9 @@ def evaluate(
         config = resolve(run_config_at(root, config.storage), overrides or {})
         store = run_store(config)
     if step is None:
-        step = latest_committed_step(store, CHECKPOINT_PARENTS[stage])
+        step = latest_committed_step(store, RunLayout.stage_checkpoints(stage))
     else:
-        require_committed(store, step, CHECKPOINT_PARENTS[stage])
+        require_committed(store, step, RunLayout.stage_checkpoints(stage))
     name = config.eval.name or default_eval_name(stage, step, triggered=root is not None)
     with metrics_sink(config) as sink, inference_pool(config) as pool:
         return evaluate_checkpoint(config, pool, name=name, stage=stage, step=step, sink=sink)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.config import ConfigError, PrimeflowConfig, with_overrides
@@ -125,7 +125,13 @@ def flow_of(manifest: Mapping[str, Any]) -> str:
     return name if name in FLOW_COMMANDS else "post-train"
 
 
-def main(argv: list[str], dry_run: bool) -> int:
+#: Runs a `primeflow` command on a config (the command line's own runner, passed in by it).
+CommandRunner = Callable[[str, PrimeflowConfig], int]
+
+
+def main(argv: list[str], dry_run: bool, run_command: CommandRunner | None = None) -> int:
+    """`primeflow reproduce`; `run_command` runs the recorded flow's command (unused by a dry
+    run)."""
     parser = argparse.ArgumentParser(prog="primeflow reproduce", description=__doc__)
     parser.add_argument("manifest_uri", help="<run>/manifest.json or the run root (any store)")
     parser.add_argument("--run.name", dest="run_name", help="default: <old>-repro-<n>")
@@ -156,9 +162,6 @@ def main(argv: list[str], dry_run: bool) -> int:
     if dry_run:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
-    from flows.cli import COMMANDS
-
-    command = COMMANDS[FLOW_COMMANDS[flow_of(manifest)]]
-    assert command.run is not None
+    assert run_command is not None, "a reproduction that runs needs the command runner"
     print(f"reproducing {manifest['run_uri']} as run {config.run.name}", flush=True)
-    return command.run(config, [])
+    return run_command(FLOW_COMMANDS[flow_of(manifest)], config)

@@ -7,8 +7,12 @@ server and a notebook opened months later all agree on where step 42's shards ar
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from storage.backends import split_uri
+
+#: The stages that train and commit checkpoints.
+Stage = Literal["sft", "rl"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NAME_CHAR = re.compile(r"[A-Za-z0-9._-]")
@@ -87,6 +91,17 @@ class RunLayout:
         if len(digits) > _STEP_DIGITS and digits.startswith("0"):
             return None
         return int(digits)
+
+    @staticmethod
+    def stage_dir(stage: Stage) -> str:
+        """Below the run root, the folder a stage's checkpoints (and its own rollouts or data)
+        live in: `sft` for SFT, the root itself ("") for RL."""
+        return "sft" if stage == "sft" else ""
+
+    @classmethod
+    def stage_checkpoints(cls, stage: Stage) -> str:
+        """A stage's checkpoints below the run root: `sft/checkpoints` or `checkpoints`."""
+        return "/".join(part for part in (cls.stage_dir(stage), cls.CHECKPOINTS) if part)
 
     @classmethod
     def rollouts_dir(cls, step: int) -> str:

@@ -272,6 +272,12 @@ def validate_rollouts(
     `row_offset`, so that a writer splitting its table into shards hears about its own rows.
     """
     table = conform_table(table, uri)
+    check_rows(table, step=step, uri=uri, row_offset=row_offset)
+    return table
+
+
+def check_rows(table: pa.Table, *, step: int | None, uri: str, row_offset: int = 0) -> None:
+    """`validate_rollouts`' row checks, for a table already in the schema (`conform_table`)."""
     offset = row_offset
     for batch in table.to_batches():
         for check in _CHECKS:
@@ -280,7 +286,6 @@ def validate_rollouts(
                 row, column, detail = problem
                 raise InvalidRolloutError(uri, detail, row=offset + row, column=column)
         offset += batch.num_rows
-    return table
 
 
 def _column_from_rows(field: pa.Field, values: list[Any]) -> pa.Array:

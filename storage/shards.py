@@ -42,6 +42,7 @@ from storage.layout import RunLayout
 from storage.paths import join
 from storage.shard_schema import (
     ROLLOUT_SCHEMA,
+    check_rows,
     check_whole_rollouts,
     conform_table,
     rows_to_table,
@@ -120,15 +121,12 @@ def write_rollouts(
         (offset, table.slice(offset, max_rows_per_shard))
         for offset in range(0, table.num_rows, max_rows_per_shard)
     ]
-    checked = [
-        validate_rollouts(
-            part, step=step, uri=store.url(join(step_dir, shard_name(index))), row_offset=offset
-        )
-        for index, (offset, part) in enumerate(slices)
-    ]
+    for index, (offset, part) in enumerate(slices):
+        uri = store.url(join(step_dir, shard_name(index)))
+        check_rows(part, step=step, uri=uri, row_offset=offset)
     begin_step(store, step_dir)
     digests: dict[str, FileDigest] = {}
-    for index, part in enumerate(checked):
+    for index, (_, part) in enumerate(slices):
         name = shard_name(index)
         path = join(step_dir, name)
         if store.protocol == "file":

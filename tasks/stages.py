@@ -19,11 +19,11 @@ from engine.config import PrimeflowConfig
 from engine.orchestrator.evaluate import committed_summary
 from engine.orchestrator.main import EvalOutcome, evaluate_policy, run_orchestrator
 from engine.run import local_run_dir, run_store
-from engine.trainer.pool import Stage, TrainerPool
+from engine.trainer.pool import TrainerPool
 from engine.wandb_sink import WandbSink
 from engine.watchdog import ProgressClock, capture_stacks
 from storage.commit import latest_committed_step
-from storage.layout import RunLayout
+from storage.layout import RunLayout, Stage
 from storage.paths import join
 from tasks.pools import PoolOnDemand
 from tasks.reporting import StageMonitor, publish_hang_report
@@ -33,8 +33,6 @@ from tasks.supervision import forget_group, record_group
 ORCHESTRATOR_STOP_S = 60.0
 #: How long a hung trainer gets to end on SIGTERM before its group is killed.
 HUNG_STOP_S = 5.0
-#: Where each stage commits its checkpoints, below the run root.
-CHECKPOINT_PARENTS: dict[Stage, str] = {"sft": "sft/checkpoints", "rl": "checkpoints"}
 
 
 class StageFailedError(RuntimeError):
@@ -93,7 +91,7 @@ def _outcome(
     config: PrimeflowConfig, stage: Stage, last_step: int, seconds: float
 ) -> dict[str, Any]:
     store = run_store(config)
-    parent = CHECKPOINT_PARENTS[stage]
+    parent = RunLayout.stage_checkpoints(stage)
     step = latest_committed_step(store, parent)
     uri = store.url(join(parent, RunLayout.step_name(step))) if step is not None else None
     get_run_logger().info("%s: done at step %d; checkpoint %s", stage, last_step, uri)
@@ -114,7 +112,7 @@ def _monitor(
         config.run.name,
         stage,
         total_steps=total_steps,
-        checkpoint_parent=CHECKPOINT_PARENTS[stage],
+        checkpoint_parent=RunLayout.stage_checkpoints(stage),
         also=("orchestrator",) if stage == "rl" else (),
         on_step=sink.log if sink is not None else None,
         clock=ProgressClock(config.watchdog),
@@ -131,7 +129,7 @@ def _finished(config: PrimeflowConfig, stage: Stage) -> dict[str, Any] | None:
     """The stage's outcome when its final checkpoint is committed (a re-run of a finished run,
     or a retry after a later stage failed): then no trainer, orchestrator or server starts."""
     total = _total_steps(config, stage)
-    if latest_committed_step(run_store(config), CHECKPOINT_PARENTS[stage]) != total:
+    if latest_committed_step(run_store(config), RunLayout.stage_checkpoints(stage)) != total:
         return None
     get_run_logger().info("%s: all %d steps are committed already; nothing to train", stage, total)
     return _outcome(config, stage, total, 0.0)

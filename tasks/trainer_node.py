@@ -31,7 +31,8 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import StateType
 
 from engine.config import PrimeflowConfig, with_overrides
-from engine.trainer.pool import Stage, TrainerPool
+from engine.trainer.pool import TrainerPool
+from storage.layout import Stage
 from tasks.hooks import config_of_run
 
 RDZV_HOST_ENV = "PRIMEFLOW_RDZV_HOST"

@@ -33,14 +33,13 @@ from engine.orchestrator.evaluate import (
 from engine.orchestrator.loop import Orchestrator
 from engine.run import local_run_dir, run_store
 from storage.commit import latest_committed_step
-from storage.layout import RunLayout
+from storage.layout import RunLayout, Stage
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
 #: Where SFT checkpoints live below the run root (the trainer's `stage_store`).
-SFT_PREFIX = "sft"
 
 
 def load_tokenizer(config: PrimeflowConfig) -> Any:
@@ -110,8 +109,8 @@ class EvalOutcome:
     summary: dict[str, Any]
 
 
-def _checkpoints_store(store: ObjectStore, stage: str) -> ObjectStore:
-    return store.child(SFT_PREFIX) if stage == "sft" else store
+def _checkpoints_store(store: ObjectStore, stage: Stage) -> ObjectStore:
+    return store.child(RunLayout.stage_dir(stage))
 
 
 def evaluate_policy(config: PrimeflowConfig, pool: InferencePool | None = None) -> EvalOutcome:
@@ -186,9 +185,3 @@ async def _evaluate(
             per_env[entry.env.name]["greedy"] = summarize(greedy, 1)
             results += rows(greedy, "greedy", greedy_sampling, decode)
     return results, per_env
-
-
-def run_eval(config: PrimeflowConfig, pool: InferencePool | None = None) -> int:
-    """`primeflow eval`: evaluate and commit the results; 0 on success."""
-    evaluate_policy(config, pool)
-    return 0

@@ -21,15 +21,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
 
 import psutil
 
 from engine.config import PrimeflowConfig
 from engine.trainer.supervision import SUPERVISOR_ENV
 from engine.watchdog import STACKS_DIR_ENV
-
-Stage = Literal["sft", "rl"]
+from storage.layout import Stage
 
 #: A Python exception's summary line in a log: `package.module.SomeError: message`, after the
 #: `[rank0]: ` that torchrun puts before each line of a rank's output.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from engine.trainer.packing import Sample, truncate
 from storage.commit import wait_for_step
@@ -37,42 +36,60 @@ def wait_for_rollouts(store: ObjectStore, step: int, timeout_s: float, poll_s: f
     return read_rollouts(store, step)
 
 
+def _flat(table: pa.Table, name: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (offsets [rows + 1], values) numpy arrays, read from Arrow's buffers
+    (numbers without a copy where the types agree; booleans are unpacked from their bits)."""
+    column = table.column(name).combine_chunks()
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return offsets, values
+
+
+def _first(flags: np.ndarray) -> int | None:
+    rows = np.flatnonzero(flags)
+    return int(rows[0]) if rows.size else None
+
+
 def samples_from_rollouts(
     table: pa.Table, *, step: int, vocab_size: int, seq_len: int, allow_truncation: bool
 ) -> list[Sample]:
-    """One `Sample` per rollout row; `RolloutDataError` on anything the model cannot take."""
-    token_ids = table.column("token_ids").combine_chunks()
-    if len(token_ids) and len(pc.list_flatten(token_ids)):
-        largest = pc.max(pc.list_flatten(token_ids)).as_py()
-        if largest >= vocab_size:
-            flags = pc.greater_equal(pc.list_flatten(token_ids), vocab_size)
-            item = pc.index(flags, True).as_py()
-            row = pc.list_parent_indices(token_ids)[item].as_py()
-            raise RolloutDataError(
-                f"rollouts step {step}, row {row}: token id {largest} is outside the model's "
-                f"vocabulary (size {vocab_size}); were the rollouts made with another model?"
-            )
-    columns = table.select(["token_ids", "loss_mask", "logprobs", "advantage", "temperature"])
+    """One `Sample` per rollout row; `RolloutDataError` on anything the model cannot take.
+
+    Each sample's arrays are views into one flat array per column: no Python lists.
+    """
+    offsets, token_ids = _flat(table, "token_ids", np.int64)
+    mask_offsets, loss_mask = _flat(table, "loss_mask", np.bool_)
+    logprob_offsets, logprobs = _flat(table, "logprobs", np.float32)
+    advantages = table.column("advantage").to_numpy().astype(np.float64)
+    temperatures = table.column("temperature").to_numpy().astype(np.float64)
+    lengths = np.diff(offsets)
+    if len(token_ids) and token_ids.max() >= vocab_size:
+        row = int(np.searchsorted(offsets, np.argmax(token_ids >= vocab_size), side="right")) - 1
+        raise RolloutDataError(
+            f"rollouts step {step}, row {row}: token id {token_ids.max()} is outside the model's "
+            f"vocabulary (size {vocab_size}); were the rollouts made with another model?"
+        )
+    if (row := _first(lengths == 0)) is not None:
+        raise RolloutDataError(f"rollouts step {step}, row {row}: no tokens")
+    if not allow_truncation and (row := _first(lengths > seq_len)) is not None:
+        raise RolloutDataError(
+            f"rollouts step {step}, row {row}: {lengths[row]} tokens exceed "
+            f"seq_len={seq_len}; raise seq_len or set trainer.truncate = true"
+        )
+    if (row := _first(~(temperatures > 0))) is not None:
+        raise RolloutDataError(
+            f"rollouts step {step}, row {row}: temperature {temperatures[row]} must be "
+            "> 0 (greedy samples cannot be importance-weighted; sample with temperature > 0)"
+        )
     samples = []
-    for row, values in enumerate(columns.to_pylist()):
-        if not values["token_ids"]:
-            raise RolloutDataError(f"rollouts step {step}, row {row}: no tokens")
-        if len(values["token_ids"]) > seq_len and not allow_truncation:
-            raise RolloutDataError(
-                f"rollouts step {step}, row {row}: {len(values['token_ids'])} tokens exceed "
-                f"seq_len={seq_len}; raise seq_len or set trainer.truncate = true"
-            )
-        if not values["temperature"] > 0:
-            raise RolloutDataError(
-                f"rollouts step {step}, row {row}: temperature {values['temperature']} must be "
-                "> 0 (greedy samples cannot be importance-weighted; sample with temperature > 0)"
-            )
+    for row in range(table.num_rows):
+        start, end = offsets[row], offsets[row + 1]
         sample = Sample(
-            token_ids=np.asarray(values["token_ids"], dtype=np.int64),
-            loss_mask=np.asarray(values["loss_mask"], dtype=np.bool_),
-            logprobs=np.asarray(values["logprobs"], dtype=np.float32),
-            advantage=float(values["advantage"]),
-            temperature=float(values["temperature"]),
+            token_ids=token_ids[start:end],
+            loss_mask=loss_mask[mask_offsets[row] : mask_offsets[row + 1]],
+            logprobs=logprobs[logprob_offsets[row] : logprob_offsets[row + 1]],
+            advantage=float(advantages[row]),
+            temperature=float(temperatures[row]),
         )
         samples.append(truncate(sample, seq_len))
     return samples

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
@@ -54,19 +54,17 @@ from engine.trainer.supervision import watch_supervisor
 from engine.watchdog import register_stack_dump
 from storage.commit import committed_steps, delete_step
 from storage.errors import CorruptObjectError
-from storage.layout import RunLayout
+from storage.layout import RunLayout, Stage
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
-Stage = Literal["sft", "rl"]
 FIRST_STEP = 1
-SFT_PREFIX = "sft"
 log = logging.getLogger("primeflow.trainer")
 
 
 def stage_store(run_store: ObjectStore, stage: Stage) -> ObjectStore:
     """Where a stage's checkpoints live: the run root for RL, `<run>/sft` for SFT."""
-    return run_store.child(SFT_PREFIX) if stage == "sft" else run_store
+    return run_store.child(RunLayout.stage_dir(stage))
 
 
 def _load_tokenizer(name: str, revision: str | None) -> PreTrainedTokenizerBase | None:

@@ -1,0 +1,79 @@
+"""The layering rules of docs/architecture.md hold, and `lint-imports` (`make lint`) fails when
+one is broken: a copy of the packages gets a planted violation of each kind."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "storage", "tasks", "flows")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the copy, not the installed checkout
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"], cwd=root, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("layers")
+    for package in PACKAGES:
+        shutil.copytree(
+            REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(REPO / "pyproject.toml", root)
+    return root
+
+
+def test_the_tree_keeps_every_contract(copy: Path) -> None:
+    result = lint(copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("planted", "code", "contracts"),
+    [
+        ("storage/planted.py", "import prefect\n", ["never import Prefect"]),
+        ("storage/planted.py", "import engine.config\n", ["storage imports", "flows above"]),
+        ("engine/planted.py", "import tasks.stages\n", ["never import Prefect", "flows above"]),
+        ("flows/planted.py", "import flows.cli\n", ["no import cycles"]),
+    ],
+)
+def test_a_planted_violation_fails_the_check(
+    copy: Path, planted: str, code: str, contracts: list[str]
+) -> None:
+    path = copy / planted
+    if planted == "flows/planted.py":  # a cycle needs both directions
+        cli = copy / "flows" / "cli.py"
+        original = cli.read_text()
+        cli.write_text(original + "\nimport flows.planted  # noqa\n")
+    path.write_text(code)
+    try:
+        result = lint(copy)
+    finally:
+        path.unlink()
+        if planted == "flows/planted.py":
+            cli.write_text(original)
+    assert result.returncode != 0
+    found = verdicts(result.stdout)
+    assert len(found) == 4, result.stdout
+    broken = [name for name, status in found if status == "BROKEN"]
+    assert broken == [name for name, _ in found if any(c in name for c in contracts)], broken
+
+
+def verdicts(output: str) -> list[tuple[str, str]]:
+    """(contract name, KEPT or BROKEN) from lint-imports' summary (names wrap over lines)."""
+    summary = output.split("--------------------------------------", 1)[1].split("Contracts:")[0]
+    flat = " ".join(summary.split())
+    return [(name.strip(), status) for name, status in re.findall(r"(.+?) (KEPT|BROKEN)", flat)]
