@@ -70,6 +70,11 @@ def local_run_dir(config: PrimeflowConfig) -> Path:
     return primeflow_home() / "runs" / config.run.name
 
 
+def logs_dir(config: PrimeflowConfig) -> Path:
+    """`<local run dir>/logs`: every process's log, the pool records, hang reports."""
+    return local_run_dir(config) / RunLayout.LOGS
+
+
 def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -> Run:
     """Open (or reopen, to resume) the run and record its manifest: config, versions, seeds."""
     store = run_store(config)

@@ -68,6 +68,8 @@ class RunLayout:
 
     MANIFEST = "manifest.json"
     METRICS = "metrics.jsonl"
+    #: One metric line per stage and step: `metrics/<stage>/step_N.jsonl`.
+    METRICS_DIR = "metrics"
     LOGS = "logs"
     ROLLOUTS = "rollouts"
     CHECKPOINTS = "checkpoints"
@@ -123,6 +125,14 @@ class RunLayout:
     @classmethod
     def commit_log_entry(cls, parent: str, step: int) -> str:
         return f"{cls.commit_log_dir(parent)}/{cls.step_name(step)}.json"
+
+    @classmethod
+    def metrics_dir(cls, stage: str) -> str:
+        return f"{cls.METRICS_DIR}/{_check_name(stage, 'metrics stage')}"
+
+    @classmethod
+    def metrics_path(cls, stage: str, step: int) -> str:
+        return f"{cls.metrics_dir(stage)}/{cls.step_name(step)}.jsonl"
 
     @classmethod
     def policy_dir(cls, step: int) -> str:

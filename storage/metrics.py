@@ -19,30 +19,28 @@ from storage.layout import RunLayout
 from storage.paths import join
 from storage.store import ObjectStore
 
-METRICS_DIR = "metrics"
-
-
-def metrics_path(stage: str, step: int) -> str:
-    return join(METRICS_DIR, stage, f"{RunLayout.step_name(step)}.jsonl")
-
 
 def write_metrics(store: ObjectStore, stage: str, step: int, values: Mapping[str, Any]) -> None:
     """Store one step's metric line (call on rank 0 only)."""
     line = {"stage": stage, "step": step, "time": time.time(), **values}
-    store.write_bytes(metrics_path(stage, step), (json.dumps(line, sort_keys=True) + "\n").encode())
+    store.write_bytes(
+        RunLayout.metrics_path(stage, step), (json.dumps(line, sort_keys=True) + "\n").encode()
+    )
 
 
 def read_metrics(store: ObjectStore, stage: str) -> list[dict[str, Any]]:
     """Every stored line of `stage`, in step order."""
     lines = []
-    for name in store.list(join(METRICS_DIR, stage)):
-        lines.append(json.loads(store.read_bytes(join(METRICS_DIR, stage, name))))
+    folder = RunLayout.metrics_dir(stage)
+    for name in store.list(folder):
+        lines.append(json.loads(store.read_bytes(join(folder, name))))
     return sorted(lines, key=lambda line: line["step"])
 
 
 def compact_metrics(store: ObjectStore) -> int:
     """Write `<run>/metrics.jsonl`: every stage's lines, ordered by time; returns the count."""
-    lines = [line for stage in store.list(METRICS_DIR) for line in read_metrics(store, stage)]
+    stages = store.list(RunLayout.METRICS_DIR)
+    lines = [line for stage in stages for line in read_metrics(store, stage)]
     lines.sort(key=lambda line: (line.get("time", 0.0), line["stage"], line["step"]))
     store.write_bytes(
         RunLayout.METRICS,

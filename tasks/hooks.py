@@ -13,8 +13,7 @@ from typing import Any
 from prefect.client.schemas.objects import FlowRun, State
 
 from engine.config import ConfigError, PrimeflowConfig, with_overrides
-from engine.run import local_run_dir
-from storage.layout import RunLayout
+from engine.run import logs_dir
 from tasks.supervision import kill_recorded_groups
 
 log = logging.getLogger(__name__)
@@ -36,6 +35,6 @@ def kill_pools_on_exit(flow: Any, flow_run: FlowRun, state: State) -> None:
     except (ConfigError, ValueError) as exc:
         log.error("cannot find the pools of flow run %s: %s", flow_run.name, exc)
         return
-    killed = kill_recorded_groups(local_run_dir(config) / RunLayout.LOGS)
+    killed = kill_recorded_groups(logs_dir(config))
     if killed:
         log.warning("flow run %s ended %s: killed %s", flow_run.name, state.type, killed)

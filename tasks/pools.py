@@ -14,19 +14,14 @@ from prefect.cache_policies import NO_CACHE
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
-from engine.run import local_run_dir
-from storage.layout import RunLayout
+from engine.run import logs_dir
 from tasks.supervision import forget_group, record_group
-
-
-def log_dir(config: PrimeflowConfig):
-    return local_run_dir(config) / RunLayout.LOGS
 
 
 @task(name="start-inference-pool", cache_policy=NO_CACHE, persist_result=False)
 def start_inference_pool(config: PrimeflowConfig) -> InferencePool:
     """Start every vLLM server of the pool and record their process groups."""
-    directory = log_dir(config)
+    directory = logs_dir(config)
     pool = InferencePool.for_run(config, directory)
     pool.start()
     for name, pgid in pool.process_groups.items():
@@ -40,7 +35,7 @@ def stop_inference_pool(config: PrimeflowConfig, pool: InferencePool) -> None:
     groups = pool.process_groups
     pool.stop()
     for name in groups:
-        forget_group(log_dir(config), name)
+        forget_group(logs_dir(config), name)
 
 
 class PoolOnDemand:

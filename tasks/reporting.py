@@ -39,7 +39,6 @@ from engine.watchdog import ProgressClock
 from storage.checkpoints import logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
-from storage.metrics import METRICS_DIR
 from storage.paths import join
 from storage.store import ObjectStore
 
@@ -197,7 +196,7 @@ class StageMonitor:
         return new
 
     def _read_stage(self, stage: str, seen: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-        prefix = join(METRICS_DIR, stage)
+        prefix = RunLayout.metrics_dir(stage)
         new = []
         for name in self.store.list(prefix):
             step = RunLayout.parse_step(name.removesuffix(".jsonl"))
@@ -282,7 +281,7 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
         f"- manifest: `{root}/{RunLayout.MANIFEST}`",
         f"- rollout shards: `{root}/{RunLayout.ROLLOUTS}/`",
         f"- checkpoints: `{root}/{RunLayout.CHECKPOINTS}/`",
-        f"- metrics: `{root}/{METRICS_DIR}/` (and `{root}/{RunLayout.METRICS}`)",
+        f"- metrics: `{root}/{RunLayout.METRICS_DIR}/` (and `{root}/{RunLayout.METRICS}`)",
     ]
     report = results.get("report")
     if isinstance(report, Mapping):

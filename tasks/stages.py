@@ -16,13 +16,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engine.config import PrimeflowConfig
-from engine.orchestrator.evaluate import committed_summary
 from engine.orchestrator.main import EvalOutcome, evaluate_policy, run_orchestrator
-from engine.run import local_run_dir, run_store
+from engine.run import logs_dir, run_store
 from engine.trainer.pool import TrainerPool
 from engine.wandb_sink import WandbSink
 from engine.watchdog import ProgressClock, capture_stacks
 from storage.commit import latest_committed_step
+from storage.evals import committed_summary
 from storage.layout import RunLayout, Stage
 from storage.paths import join
 from tasks.pools import PoolOnDemand
@@ -74,7 +74,7 @@ def _trainer_failure(stage: str, code: int, pool: TrainerPool) -> StageFailedErr
 
 
 def _start_trainer(config: PrimeflowConfig, stage: Stage) -> TrainerPool:
-    log_dir = local_run_dir(config) / RunLayout.LOGS
+    log_dir = logs_dir(config)
     pool = TrainerPool(config, stage, log_path=log_dir / f"trainer-{stage}.log")
     pool.start()
     record_group(log_dir, f"trainer-{stage}", pool.pgid)
@@ -84,7 +84,7 @@ def _start_trainer(config: PrimeflowConfig, stage: Stage) -> TrainerPool:
 
 def _finish_trainer(config: PrimeflowConfig, stage: Stage, pool: TrainerPool) -> None:
     pool.stop()
-    forget_group(local_run_dir(config) / RunLayout.LOGS, f"trainer-{stage}")
+    forget_group(logs_dir(config), f"trainer-{stage}")
 
 
 def _outcome(

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool, InferencePoolError
-from engine.run import local_run_dir, run_store
+from engine.run import logs_dir, run_store
 from storage.layout import RunLayout
 
 EXIT_OK = 0
@@ -40,7 +40,7 @@ def serve_forever(config: PrimeflowConfig, out: TextIO = sys.stdout) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    log_dir = local_run_dir(config) / RunLayout.LOGS
+    log_dir = logs_dir(config)
     pool = InferencePool.for_run(config, log_dir)
     try:
         try:

@@ -6,13 +6,12 @@ that at least one of k samples reaches the pass threshold (Chen et al., 2021), s
 plain pass rate. A rollout that could not be scored (environment error, prompt too long, nothing
 sampled, NaN reward) counts as reward 0 and a failure, and is counted by reason. Per-sample
 results go to `results.arrow` and the numbers to `summary.json`, committed together under
-`<run>/eval/<name>/step_N/`.
+`<run>/eval/<name>/step_N/` (`storage.evals`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -20,38 +19,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.ipc as ipc
-
 from engine.config.orchestrator import SamplingConfig
 from engine.envs import Environment, Rollout, TurnGenerator, assemble
 from engine.orchestrator.samples import skip_reason
-from storage.commit import begin_step, commit_step, committed_steps, digest_bytes, verify_step
-from storage.layout import RunLayout
-from storage.paths import join
-
-RESULTS = "results.arrow"
-SUMMARY = "summary.json"
-
-EVAL_SCHEMA = pa.schema(
-    [
-        pa.field("env", pa.string(), nullable=False),
-        pa.field("example_id", pa.int64(), nullable=False),
-        pa.field("mode", pa.string(), nullable=False),  # "sampled" or "greedy"
-        pa.field("sample", pa.int32(), nullable=False),  # index within the example's k
-        pa.field("reward", pa.float64(), nullable=False),  # NaN when it could not be scored
-        pa.field("passed", pa.bool_(), nullable=False),
-        pa.field("skip_reason", pa.string()),
-        pa.field("error", pa.string()),
-        pa.field("policy_version", pa.int64()),
-        pa.field("temperature", pa.float32(), nullable=False),
-        pa.field("completion_tokens", pa.int32(), nullable=False),
-        pa.field("is_truncated", pa.bool_(), nullable=False),
-        pa.field("prompt_text", pa.string(), nullable=False),
-        pa.field("completion_text", pa.string(), nullable=False),
-        pa.field("metrics", pa.map_(pa.string(), pa.float64()), nullable=False),
-    ]
-)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -163,42 +133,6 @@ def rows(scored: Sequence[Scored], mode: str, sampling: SamplingConfig, decode: 
             }
         )
     return out
-
-
-def write_eval(
-    store: Any, name: str, step: int, results: list[dict], summary: dict[str, Any]
-) -> str:
-    """Commit `results.arrow` and `summary.json` under `eval/<name>/step_N/`; its URI."""
-    table = pa.Table.from_pylist(results, schema=EVAL_SCHEMA)
-    sink = pa.BufferOutputStream()
-    with ipc.new_file(sink, EVAL_SCHEMA) as writer:
-        writer.write_table(table)
-    payloads = {
-        RESULTS: sink.getvalue().to_pybytes(),
-        SUMMARY: (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode(),
-    }
-    step_dir = RunLayout.eval_dir(name, step)
-    begin_step(store, step_dir)
-    for file, data in payloads.items():
-        store.write_bytes(join(step_dir, file), data)
-    commit_step(
-        store,
-        step_dir,
-        {file: digest_bytes(data) for file, data in payloads.items()},
-        step=step,
-        rows=table.num_rows,
-    )
-    return store.url(step_dir)
-
-
-def committed_summary(store: Any, name: str, step: int) -> tuple[str, dict[str, Any]] | None:
-    """URI and summary of `eval/<name>/step_N` when it is committed already (a resumed run
-    reuses it: committed steps are immutable), else None."""
-    if step not in committed_steps(store, RunLayout.eval_parent(name)):
-        return None
-    step_dir = RunLayout.eval_dir(name, step)
-    verify_step(store, step_dir)
-    return store.url(step_dir), json.loads(store.read_bytes(join(step_dir, SUMMARY)))
 
 
 def summary_document(

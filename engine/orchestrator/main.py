@@ -22,17 +22,11 @@ from engine.envs import ChatTokenizer, MixEntry, TurnGenerator, load_environment
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
 from engine.models.resolve import resolve_model
-from engine.orchestrator.evaluate import (
-    committed_summary,
-    play,
-    rows,
-    summarize,
-    summary_document,
-    write_eval,
-)
+from engine.orchestrator.evaluate import play, rows, summarize, summary_document
 from engine.orchestrator.loop import Orchestrator
-from engine.run import local_run_dir, run_store
+from engine.run import logs_dir, run_store
 from storage.commit import latest_committed_step
+from storage.evals import committed_summary, write_eval
 from storage.layout import RunLayout, Stage
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
@@ -58,7 +52,7 @@ def policy_pool(config: PrimeflowConfig, pool: InferencePool | None) -> Iterator
     if pool is not None:
         yield pool
         return
-    with InferencePool.for_run(config, local_run_dir(config) / RunLayout.LOGS) as started:
+    with InferencePool.for_run(config, logs_dir(config)) as started:
         yield started
 
 

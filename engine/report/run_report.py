@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from storage.commit import committed_steps
+from storage.evals import RESULTS
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.paths import join
@@ -68,7 +69,7 @@ def latest_evals(store: ObjectStore) -> dict[str, tuple[int, pa.Table]]:
         if not steps:
             continue
         step = steps[-1]
-        data = store.read_bytes(join(RunLayout.eval_dir(name, step), "results.arrow"))
+        data = store.read_bytes(join(RunLayout.eval_dir(name, step), RESULTS))
         found[name] = (step, ipc.open_file(pa.py_buffer(data)).read_all())
     return found
 

@@ -21,8 +21,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
-from engine.run import local_run_dir, run_store
-from storage.layout import RunLayout
+from engine.run import logs_dir, run_store
 from storage.metrics import read_metrics
 from tasks.reporting import artifact_key
 from tasks.supervision import recorded_groups
@@ -41,7 +40,7 @@ STOP_AFTER = 2  # trainer steps done before its rank is stopped
 def stop_the_rank(config: PrimeflowConfig, seen: dict[str, Any]) -> None:
     """Once the trainer has logged `STOP_AFTER` steps, SIGSTOP its rank (not torchrun)."""
     store = run_store(config)
-    logs = local_run_dir(config) / RunLayout.LOGS
+    logs = logs_dir(config)
 
     def ranks() -> list[psutil.Process]:
         if len(read_metrics(store, "rl")) < STOP_AFTER:
@@ -87,7 +86,7 @@ def test_a_stopped_trainer_rank_fails_the_stage_with_its_stacks_and_the_retry_re
     assert result["checkpoint_step"] == MAX_STEPS  # the retry resumed and finished
     assert_every_step_committed_once(store, MAX_STEPS)
 
-    logs = local_run_dir(config) / RunLayout.LOGS
+    logs = logs_dir(config)
     (report,) = logs.glob("hang-rl-*.txt")
     text = report.read_text()
     for pid in seen["stopped"]:

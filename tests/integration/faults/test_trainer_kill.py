@@ -15,7 +15,7 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
-from engine.run import local_run_dir, run_store
+from engine.run import logs_dir, run_store
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
@@ -55,7 +55,7 @@ def kill_trainer_mid_step(
         checkpoint = latest_committed_step(store, RunLayout.CHECKPOINTS) or 0
         if rollouts_at(store) < step or checkpoint != step - 1:
             return False
-        pgid = recorded_groups(local_run_dir(config) / RunLayout.LOGS).get("trainer-rl")
+        pgid = recorded_groups(logs_dir(config)).get("trainer-rl")
         group[:] = [pgid] if pgid is not None else []
         return bool(group)
 
@@ -87,7 +87,7 @@ def test_trainer_killed_mid_step_resumes_and_commits_every_step_once(
     assert_unchanged(seen["checkpoints"], commit_times(store, RunLayout.CHECKPOINTS))
     assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))
     # The retry resumed from the newest committed checkpoint, not from the half-written one.
-    log = (local_run_dir(config) / RunLayout.LOGS / "trainer-rl.log").read_text()
+    log = (logs_dir(config) / "trainer-rl.log").read_text()
     assert f"resumed rl from {store.url(RunLayout.checkpoint_dir(KILL_AT - 1))}" in log
     # One trainer metric line per step (the repeated step's line replaced, not doubled).
     assert [line["step"] for line in read_metrics(store, "rl")] == list(range(1, MAX_STEPS + 1))

@@ -11,10 +11,10 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
-from engine.orchestrator.evaluate import RESULTS, SUMMARY
 from engine.orchestrator.main import evaluate_policy
 from engine.run import run_store
 from storage.commit import read_commit, read_verified
+from storage.evals import RESULTS, SUMMARY
 from storage.layout import RunLayout
 from storage.paths import join
 

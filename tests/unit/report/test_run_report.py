@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from engine.orchestrator.evaluate import write_eval
 from engine.report import write_run_report
 from engine.report.run_report import completion_of, prompt_of
+from storage.evals import write_eval
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
