@@ -10,18 +10,22 @@ from pathlib import Path
 from engine.config import PrimeflowConfig
 from engine.config.run import StorageConfig
 from storage.backends import split_uri
-from storage.layout import RunLayout, run_uri
+from storage.layout import RunLayout, Stage, run_uri
 from storage.manifest import write_manifest
 from storage.store import ObjectStore
 
 
 @dataclass(frozen=True)
 class Run:
-    """The run root store and the paths under it."""
+    """One run as `open_run` opened it: its root store (paths inside it: `RunLayout`) and the
+    local folder of its process logs."""
 
-    config: PrimeflowConfig
     store: ObjectStore
-    layout: RunLayout
+    logs: Path
+
+    def stage_store(self, stage: Stage) -> ObjectStore:
+        """Where `stage`'s checkpoints live: the root for RL, `sft/` for SFT."""
+        return self.store.child(RunLayout.stage_dir(stage))
 
 
 def store_at(uri: str, storage: StorageConfig) -> ObjectStore:
@@ -79,7 +83,7 @@ def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -
     """Open (or reopen, to resume) the run and record its manifest: config, versions, seeds."""
     store = run_store(config)
     if store.exists(RunLayout.MANIFEST):  # a resumed run keeps the manifest it started with
-        return Run(config=config, store=store, layout=RunLayout())
+        return Run(store=store, logs=logs_dir(config))
     write_manifest(
         store,
         config=config.model_dump(mode="json"),
@@ -87,4 +91,4 @@ def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -
         parent_run=config.run.parent,
         command=list(command) if command is not None else None,
     )
-    return Run(config=config, store=store, layout=RunLayout())
+    return Run(store=store, logs=logs_dir(config))

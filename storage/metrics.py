@@ -28,6 +28,13 @@ def write_metrics(store: ObjectStore, stage: str, step: int, values: Mapping[str
     )
 
 
+def latest_metric_step(store: ObjectStore, stage: str) -> int | None:
+    """The newest step `stage` wrote a line for (one listing, no line read), or None."""
+    names = store.list(RunLayout.metrics_dir(stage))
+    steps = (RunLayout.parse_step(name.removesuffix(".jsonl")) for name in names)
+    return max((step for step in steps if step is not None), default=None)
+
+
 def read_metrics(store: ObjectStore, stage: str) -> list[dict[str, Any]]:
     """Every stored line of `stage`, in step order."""
     lines = []

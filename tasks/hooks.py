@@ -13,8 +13,8 @@ from typing import Any
 from prefect.client.schemas.objects import FlowRun, State
 
 from engine.config import ConfigError, PrimeflowConfig, with_overrides
+from engine.process_groups import kill_recorded_groups
 from engine.run import logs_dir
-from tasks.supervision import kill_recorded_groups
 
 log = logging.getLogger(__name__)
 

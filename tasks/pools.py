@@ -14,8 +14,8 @@ from prefect.cache_policies import NO_CACHE
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
+from engine.process_groups import forget_group, record_group
 from engine.run import logs_dir
-from tasks.supervision import forget_group, record_group
 
 
 @task(name="start-inference-pool", cache_policy=NO_CACHE, persist_result=False)

@@ -35,7 +35,6 @@ from tqdm import tqdm
 from engine.config import PrimeflowConfig
 from engine.report.run_report import PLOT, REPORT_DIR
 from engine.run import run_store
-from engine.watchdog import ProgressClock
 from storage.checkpoints import logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
@@ -93,8 +92,6 @@ class StageMonitor:
     table_every: int = 10
     table_rows: int = 20
     on_step: Callable[[Mapping[str, Any]], None] | None = None
-    #: Told of every new step after the first poll (which reads the lines of earlier attempts).
-    clock: ProgressClock | None = None
     lines: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)
     others: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict, init=False)
     checkpoints: set[int] = field(default_factory=set, init=False)
@@ -103,7 +100,6 @@ class StageMonitor:
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
     _bar: tqdm | None = field(default=None, init=False)
-    _polled: bool = field(default=False, init=False)
 
     def __enter__(self) -> StageMonitor:
         key = artifact_key(self.run_name, self.stage, "progress")
@@ -184,15 +180,10 @@ class StageMonitor:
         return present | set(logged_commits(self.store, self.checkpoint_parent))
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
-        """New lines of `stage`; new lines of the `also` stages are read and kept on the side.
-        A new line of any of them is progress, for the hang watch."""
+        """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""
         new = self._read_stage(self.stage, self.lines)
-        progressed = bool(new)
         for stage in self.also:
-            progressed |= bool(self._read_stage(stage, self.others.setdefault(stage, {})))
-        if progressed and self._polled and self.clock is not None:
-            self.clock.beat()
-        self._polled = True
+            self._read_stage(stage, self.others.setdefault(stage, {}))
         return new
 
     def _read_stage(self, stage: str, seen: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -23,11 +23,11 @@ import pytest
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import local_run_dir, run_store
+from engine.stages import StageFailedError
 from storage.commit import committed_steps
 from storage.errors import PermanentStorageError
 from storage.layout import RunLayout
 from storage.store import ObjectStore
-from tasks.stages import StageFailedError
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,

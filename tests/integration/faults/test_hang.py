@@ -21,10 +21,10 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
+from engine.process_groups import recorded_groups
 from engine.run import logs_dir, run_store
 from storage.metrics import read_metrics
 from tasks.reporting import artifact_key
-from tasks.supervision import recorded_groups
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     poll_until,

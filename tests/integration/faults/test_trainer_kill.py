@@ -15,11 +15,11 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
+from engine.process_groups import recorded_groups
 from engine.run import logs_dir, run_store
 from storage.commit import latest_committed_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
-from tasks.supervision import recorded_groups
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,

@@ -28,12 +28,12 @@ from prefect.events.filters import EventFilter, EventNameFilter
 from prefect.states import Cancelling
 
 from engine.config import load_config
+from engine.process_groups import GROUPS_FILE
 from flows.deploy import REPO_ROOT
 from storage.commit import committed_steps, read_commit
 from storage.layout import RunLayout
 from storage.store import ObjectStore
 from tasks.reporting import CHECKPOINT_EVENT, artifact_key
-from tasks.supervision import GROUPS_FILE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,0 +1,223 @@
+"""The training stages as plain functions: what the Prefect tasks wrap, and what runs without
+Prefect (a notebook, a script, a Slurm job) just the same.
+
+`run_sft` and `run_rl` start the stage's trainer pool (and, for RL, the orchestrator on a
+thread of this process), supervise it until it ends, and return a `StageOutcome`. Supervising
+means: a trainer that dies fails the stage with one line naming its error and log; an
+orchestrator that fails fails it too, and is always stopped and joined before the function
+returns, so a retry never runs beside it; a stage that commits no new step for longer than the
+watchdog allows fails as hung (`engine.watchdog`), its stacks saved. A stage whose final
+checkpoint is committed already starts nothing (`finished`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import PrimeflowConfig
+from engine.inference.pool import InferencePool
+from engine.orchestrator.main import run_orchestrator
+from engine.process_groups import forget_group, record_group
+from engine.run import logs_dir, run_store
+from engine.trainer.pool import TrainerPool
+from engine.watchdog import ProgressClock, capture_stacks
+from storage.commit import latest_committed_step
+from storage.layout import RunLayout, Stage
+from storage.metrics import latest_metric_step
+from storage.paths import join
+from storage.store import ObjectStore
+
+log = logging.getLogger("primeflow.stages")
+#: Where a stage reports its milestones (a Prefect task passes its run logger).
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+#: How long a stopping RL stage waits for its orchestrator thread (a commit in progress ends).
+ORCHESTRATOR_STOP_S = 60.0
+#: How long a hung trainer gets to end on SIGTERM before its group is killed.
+HUNG_STOP_S = 5.0
+#: How often a running stage is checked (trainer alive, progress).
+POLL_S = 1.0
+
+
+class StageFailedError(RuntimeError):
+    """A stage's process exited with an error; the message names its log."""
+
+
+class StageHungError(StageFailedError):
+    """A stage made no progress for longer than the watchdog allows; the message names the
+    processes that did not answer and `report`, which holds every process's stacks."""
+
+    def __init__(self, message: str, report: Path) -> None:
+        super().__init__(message)
+        self.report = report
+
+    def __reduce__(self) -> tuple[type[StageHungError], tuple[str, Path]]:
+        return type(self), (str(self), self.report)  # Prefect pickles task exceptions
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """What a finished stage left: its last step, its newest checkpoint, its time."""
+
+    stage: Stage
+    last_step: int
+    checkpoint_step: int | None
+    checkpoint: str | None
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def total_steps(config: PrimeflowConfig, stage: Stage) -> int:
+    total = config.sft.max_steps if stage == "sft" else config.trainer.max_steps
+    assert total is not None
+    return total
+
+
+def outcome(config: PrimeflowConfig, stage: Stage, last_step: int, seconds: float) -> StageOutcome:
+    store = run_store(config)
+    parent = RunLayout.stage_checkpoints(stage)
+    step = latest_committed_step(store, parent)
+    uri = store.url(join(parent, RunLayout.step_name(step))) if step is not None else None
+    return StageOutcome(stage, last_step, step, uri, seconds)
+
+
+def finished(config: PrimeflowConfig, stage: Stage) -> StageOutcome | None:
+    """The stage's outcome when its final checkpoint is committed (a re-run of a finished run,
+    or a retry after a later stage failed): then no trainer, orchestrator or server starts."""
+    total = total_steps(config, stage)
+    if latest_committed_step(run_store(config), RunLayout.stage_checkpoints(stage)) != total:
+        return None
+    return outcome(config, stage, total, 0.0)
+
+
+class _Progress:
+    """The stage's progress as its committed metric lines show it, for the hang watch."""
+
+    def __init__(self, store: ObjectStore, stages: tuple[str, ...], clock: ProgressClock):
+        self.store, self.stages, self.clock = store, stages, clock
+        self.steps = self._read()  # lines of earlier attempts are not progress
+
+    def _read(self) -> tuple[int, ...]:
+        return tuple(latest_metric_step(self.store, stage) or 0 for stage in self.stages)
+
+    def poll(self) -> None:
+        steps = self._read()
+        if steps != self.steps:
+            self.steps = steps
+            self.clock.beat()
+
+
+class _Trainer:
+    """The stage's trainer pool: started, its process group recorded, and stopped however the
+    stage ends; `check` fails the stage if it hung."""
+
+    def __init__(self, config: PrimeflowConfig, stage: Stage, logger: Logger) -> None:
+        self.config, self.stage, self.logger = config, stage, logger
+        self.logs = logs_dir(config)
+        also = ("orchestrator",) if stage == "rl" else ()
+        self.progress = _Progress(run_store(config), (stage, *also), ProgressClock(config.watchdog))
+        self.pool = TrainerPool(config, stage, log_path=self.logs / f"trainer-{stage}.log")
+
+    def __enter__(self) -> _Trainer:
+        self.pool.start()
+        record_group(self.logs, f"trainer-{self.stage}", self.pool.pgid)
+        self.logger.info("%s: trainer pool started (log: %s)", self.stage, self.pool.log_path)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.stop()
+        forget_group(self.logs, f"trainer-{self.stage}")
+
+    def check(self) -> None:
+        """Raise `StageHungError` once the stage has been silent too long, its stacks saved
+        and the trainer stopped (a stopped rank ignores SIGTERM: only SIGKILL ends it)."""
+        self.progress.poll()
+        stall = self.progress.clock.stall()
+        if stall is None:
+            return
+        report = self.logs / f"hang-{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+        stuck = capture_stacks([self.pool.pgid], self.pool.stacks_dir, report)
+        self.pool.stop(grace_s=HUNG_STOP_S)
+        who = f"; not answering: {', '.join(stuck)}" if stuck else ""
+        raise StageHungError(
+            f"the {self.stage} stage hung: {stall.describe(self.config.watchdog)}{who}; the "
+            f"stacks of every process are in {report}",
+            report,
+        )
+
+    def failure(self, code: int) -> StageFailedError:
+        """One line: the exit status, the error the rank died of and where the log is."""
+        cause = self.pool.last_error()
+        because = f": {cause}" if cause else ""
+        return StageFailedError(
+            f"the {self.stage.upper()} trainer exited with status {code}{because}; see "
+            f"{self.pool.log_path}"
+        )
+
+
+def run_sft(config: PrimeflowConfig, logger: Logger = log) -> StageOutcome:
+    """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+    started = time.perf_counter()
+    with _Trainer(config, "sft", logger) as trainer:
+        while (code := trainer.pool.poll()) is None:
+            time.sleep(POLL_S)
+            trainer.check()
+    if code != 0:
+        raise trainer.failure(code)
+    return _done(config, "sft", started, logger)
+
+
+def run_rl(config: PrimeflowConfig, pool: InferencePool, logger: Logger = log) -> StageOutcome:
+    """The trainer pool consumes shards in the background while the orchestrator makes them.
+
+    The orchestrator runs on a thread so that a trainer that died is noticed: the
+    orchestrator would otherwise wait forever for the policy the async bound needs.
+    """
+    started = time.perf_counter()
+    failure: list[BaseException] = []
+    stop = threading.Event()
+
+    def orchestrate() -> None:
+        try:
+            run_orchestrator(config, pool, stop)
+        except BaseException as exc:
+            failure.append(exc)
+
+    with _Trainer(config, "rl", logger) as trainer:
+        orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
+        orchestrator.start()
+        try:
+            while orchestrator.is_alive() and trainer.pool.poll() is None:
+                orchestrator.join(timeout=POLL_S)
+                trainer.check()
+            if failure:
+                raise failure[0]
+            code = trainer.pool.wait()
+        finally:
+            _stop_orchestrator(orchestrator, stop, logger)
+    if code != 0:
+        raise trainer.failure(code)
+    return _done(config, "rl", started, logger)
+
+
+def _stop_orchestrator(
+    orchestrator: threading.Thread, stop: threading.Event, logger: Logger
+) -> None:
+    """Ask the orchestrator thread to end and wait for it (it polls every `poll_interval_s`)."""
+    stop.set()
+    orchestrator.join(timeout=ORCHESTRATOR_STOP_S)
+    if orchestrator.is_alive():
+        logger.warning("rl: the orchestrator did not stop within %.0f s", ORCHESTRATOR_STOP_S)
+
+
+def _done(config: PrimeflowConfig, stage: Stage, started: float, logger: Logger) -> StageOutcome:
+    last = latest_metric_step(run_store(config), stage) or 0
+    result = outcome(config, stage, last, time.perf_counter() - started)
+    logger.info("%s: done at step %d; checkpoint %s", stage, last, result.checkpoint)
+    return result
