@@ -24,8 +24,13 @@ class Run:
     logs: Path
 
     def stage_store(self, stage: Stage) -> ObjectStore:
-        """Where `stage`'s checkpoints live: the root for RL, `sft/` for SFT."""
-        return self.store.child(RunLayout.stage_dir(stage))
+        return stage_store(self.store, stage)
+
+
+def stage_store(run_root: ObjectStore, stage: Stage) -> ObjectStore:
+    """Where `stage`'s checkpoints live: the run root itself for RL, `sft/` below it for SFT."""
+    folder = RunLayout.stage_dir(stage)
+    return run_root.child(folder) if folder else run_root
 
 
 def store_at(uri: str, storage: StorageConfig) -> ObjectStore:

@@ -24,16 +24,13 @@ from engine.inference.pool import InferencePool
 from engine.models.resolve import resolve_model
 from engine.orchestrator.evaluate import play, rows, summarize, summary_document
 from engine.orchestrator.loop import Orchestrator
-from engine.run import logs_dir, run_store
+from engine.run import logs_dir, run_store, stage_store
 from storage.commit import latest_committed_step
 from storage.evals import committed_summary, write_eval
-from storage.layout import RunLayout, Stage
+from storage.layout import RunLayout
 from storage.metrics import write_metrics
-from storage.store import ObjectStore
 
 logger = logging.getLogger(__name__)
-
-#: Where SFT checkpoints live below the run root (the trainer's `stage_store`).
 
 
 def load_tokenizer(config: PrimeflowConfig) -> Any:
@@ -103,15 +100,11 @@ class EvalOutcome:
     summary: dict[str, Any]
 
 
-def _checkpoints_store(store: ObjectStore, stage: Stage) -> ObjectStore:
-    return store.child(RunLayout.stage_dir(stage))
-
-
 def evaluate_policy(config: PrimeflowConfig, pool: InferencePool | None = None) -> EvalOutcome:
     """Evaluate the configured checkpoint (or what a running `pool` serves) on held-out tasks."""
     eval_config = config.eval
     store = run_store(config)
-    checkpoints = _checkpoints_store(store, eval_config.stage)
+    checkpoints = stage_store(store, eval_config.stage)
     entries = mix_entries(eval_config.envs, eval_config.sampling)
     tokenizer = load_tokenizer(config)
     name = eval_config.name or eval_config.stage

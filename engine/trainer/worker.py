@@ -37,6 +37,7 @@ from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
 from engine.placement import bind_to_cores
 from engine.run import run_store as open_store
+from engine.run import stage_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import CheckpointWriter, load_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
@@ -60,11 +61,6 @@ from storage.store import ObjectStore
 
 FIRST_STEP = 1
 log = logging.getLogger("primeflow.trainer")
-
-
-def stage_store(run_store: ObjectStore, stage: Stage) -> ObjectStore:
-    """Where a stage's checkpoints live: the run root for RL, `<run>/sft` for SFT."""
-    return run_store.child(RunLayout.stage_dir(stage))
 
 
 def _load_tokenizer(name: str, revision: str | None) -> PreTrainedTokenizerBase | None:

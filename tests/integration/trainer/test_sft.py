@@ -11,8 +11,9 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.run import run_store as open_run_store
+from engine.run import stage_store
 from engine.trainer.checkpoint import latest_checkpoint
-from engine.trainer.worker import run_stage, stage_store
+from engine.trainer.worker import run_stage
 from storage.commit import verify_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics

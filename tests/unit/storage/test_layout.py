@@ -94,3 +94,12 @@ def test_the_commit_log_sits_beside_the_folder_it_logs() -> None:
     assert entry == "commit_log/checkpoints/step_000042.json"
     # The SFT stage's writer is rooted at `sft/`; the run's monitor names `sft/checkpoints`.
     assert RunLayout.commit_log_dir("sft/checkpoints") == "sft/commit_log/checkpoints"
+
+
+def test_each_stage_has_its_store_below_the_run_root(memory_store) -> None:
+    from engine.run import stage_store
+
+    assert stage_store(memory_store, "rl").url() == memory_store.url()
+    assert stage_store(memory_store, "sft").url() == memory_store.url("sft")
+    assert RunLayout.stage_checkpoints("sft") == "sft/checkpoints"
+    assert RunLayout.stage_checkpoints("rl") == "checkpoints"
