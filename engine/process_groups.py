@@ -15,7 +15,18 @@ import signal
 import socket
 from pathlib import Path
 
+import psutil
+
 GROUPS_FILE = "process-groups.json"
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """Process `pid` and all its descendants, root first; empty when it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def groups_file(log_dir: Path) -> Path:

@@ -39,8 +39,10 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 ORCHESTRATOR_STOP_S = 60.0
 #: How long a hung trainer gets to end on SIGTERM before its group is killed.
 HUNG_STOP_S = 5.0
-#: How often a running stage is checked (trainer alive, progress).
+#: How often a running stage is checked (trainer alive, orchestrator alive, hang).
 POLL_S = 1.0
+#: Longest time between two listings of the stage's metric lines by the hang watch.
+PROGRESS_POLL_S = 5.0
 
 
 class StageFailedError(RuntimeError):
@@ -97,16 +99,25 @@ def finished(config: PrimeflowConfig, stage: Stage) -> StageOutcome | None:
 
 
 class _Progress:
-    """The stage's progress as its committed metric lines show it, for the hang watch."""
+    """The stage's progress as its committed metric lines show it, for the hang watch.
+
+    Storage is listed at most every `interval_s` (a quarter of the shortest silence the
+    watchdog allows, at most `PROGRESS_POLL_S`), not on every check of the trainer.
+    """
 
     def __init__(self, store: ObjectStore, stages: tuple[str, ...], clock: ProgressClock):
         self.store, self.stages, self.clock = store, stages, clock
+        self.interval_s = min(PROGRESS_POLL_S, clock.config.min_s / 4)
         self.steps = self._read()  # lines of earlier attempts are not progress
+        self.read_at = time.monotonic()
 
     def _read(self) -> tuple[int, ...]:
         return tuple(latest_metric_step(self.store, stage) or 0 for stage in self.stages)
 
     def poll(self) -> None:
+        if time.monotonic() - self.read_at < self.interval_s:
+            return
+        self.read_at = time.monotonic()
         steps = self._read()
         if steps != self.steps:
             self.steps = steps

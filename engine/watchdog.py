@@ -25,6 +25,7 @@ from typing import IO
 import psutil
 
 from engine.config.watchdog import WatchdogConfig
+from engine.process_groups import process_tree
 
 #: Set by the trainer pool: the folder where each rank keeps the file it dumps its stacks into.
 STACKS_DIR_ENV = "PRIMEFLOW_STACKS_DIR"
@@ -101,14 +102,6 @@ def register_stack_dump() -> None:
     faulthandler.register(DUMP_SIGNAL, file=_dump_file, all_threads=True, chain=False)
 
 
-def _processes(root_pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(root_pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def _describe(process: psutil.Process) -> tuple[str, str]:
     """(status, heading) of one process; a vanished one reads as `gone`."""
     try:
@@ -130,7 +123,7 @@ def capture_stacks(
     """Write `report`: every process under `root_pids` (state, command, Python stacks where it
     answers `DUMP_SIGNAL`) and this process's own threads. Returns "pid N [status]" for each
     process that is stopped or did not answer, for the one-line error."""
-    processes = [p for pid in root_pids for p in _processes(pid)]
+    processes = [p for pid in root_pids for p in process_tree(pid)]
     asked: dict[int, int] = {}  # pid -> size of its dump file before the request
     for process in processes:
         dump = stacks_dir / dump_file_name(process.pid)
@@ -152,17 +145,17 @@ def capture_stacks(
         for process in processes:
             status, heading = _describe(process)
             out.write(f"=== {heading}\n")
+            stacks = ""
             if process.pid in asked:
                 with (stacks_dir / dump_file_name(process.pid)).open() as dump:
                     dump.seek(asked[process.pid])
                     stacks = dump.read()
                 out.write(stacks or "(no stacks: it did not answer the dump signal)\n")
-                if not stacks:
-                    unresponsive.append(f"pid {process.pid} [{status}]")
-            if status == psutil.STATUS_STOPPED:
+            stopped = status == psutil.STATUS_STOPPED
+            if stopped:
                 out.write("(stopped: SIGSTOP or a debugger; no stack until it continues)\n")
-                if f"pid {process.pid} [{status}]" not in unresponsive:
-                    unresponsive.append(f"pid {process.pid} [{status}]")
+            if stopped or (process.pid in asked and not stacks):
+                unresponsive.append(f"pid {process.pid} [{status}]")
             out.write("\n")
         out.write(f"=== this process, pid {os.getpid()} (the stage's supervisor)\n")
         out.flush()

@@ -51,11 +51,6 @@ class PoolOnDemand:
         self._pool = pool
         self._pending: tuple[str, int] | None = None
 
-    @classmethod
-    def running(cls, config: PrimeflowConfig, pool: InferencePool) -> PoolOnDemand:
-        """A pool that is up already (started by its caller, who stops it)."""
-        return cls(config, pool)
-
     @property
     def started(self) -> InferencePool | None:
         """The pool if it has started, else None."""

@@ -104,7 +104,6 @@ class Orchestrator:
         #: Per environment: groups admitted to a batch or still on their way (in flight or
         #: waiting for the next batch); draws follow the mix ratios over these.
         self._landed = [0] * len(envs)
-        self._env_index = {entry.env.name: index for index, entry in enumerate(envs)}
         self._trained_window: deque[dict[str, int]] = deque(maxlen=MIX_WINDOW)
         self.advantage_fn = build_advantage_fn(config.advantage, config.sampling.max_tokens)
         self.filters = build_filters(config.filters)

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 
 from engine.config import PrimeflowConfig
+from engine.process_groups import process_tree
 from engine.trainer.supervision import SUPERVISOR_ENV
 from engine.watchdog import STACKS_DIR_ENV
 from storage.layout import Stage
@@ -153,7 +154,7 @@ class TrainerPool:
         SIGTERM, and its supervisor watch cannot run to end it.
         """
         if self.process is not None and self.process.poll() is None:
-            ranks = _descendants(self.process.pid)
+            ranks = process_tree(self.process.pid)[1:]
             self._signal(signal.SIGTERM)
             try:
                 self.process.wait(grace_s)
@@ -169,13 +170,6 @@ class TrainerPool:
     def _signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
 
 
 def run_trainer(config: PrimeflowConfig, stage: Stage) -> int:

@@ -50,7 +50,7 @@ def run_rl_stage(
 
     @flow(name=name, validate_parameters=False)
     def stage() -> dict[str, Any]:
-        return rl_loop(config, PoolOnDemand.running(config, pool))
+        return rl_loop(config, PoolOnDemand(config, pool))
 
     return stage()
 
