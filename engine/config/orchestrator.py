@@ -153,6 +153,22 @@ class OrchestratorConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _rl_samples_at_positive_temperature(self) -> OrchestratorConfig:
+        """The one owner of this rule: the trainer weighs each token by its sampling
+        probability, which a greedy (temperature 0) sample does not have. Evaluations have
+        their own sampling and may be greedy."""
+        for where, sampling in (
+            ("sampling", self.sampling),
+            *((f"envs[{i}].sampling", env.sampling) for i, env in enumerate(self.envs)),
+        ):
+            if sampling is not None and not sampling.temperature > 0:
+                raise ValueError(
+                    f"{where}.temperature must be > 0 for RL (got {sampling.temperature}): "
+                    "the trainer weighs samples by their sampling probability"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _batch_holds_whole_groups(self) -> OrchestratorConfig:
         if self.batch_unit == "samples" and self.batch_size % self.rollouts_per_example:
             raise ValueError(

@@ -89,12 +89,6 @@ class Orchestrator:
     ) -> None:
         if config.max_steps is None or config.seq_len is None:
             raise ValueError("orchestrator.max_steps and seq_len must be set (shared fields)")
-        for entry in envs:
-            if not entry.sampling.temperature > 0:
-                raise ValueError(
-                    f"env {entry.env.name!r}: RL needs temperature > 0 (the trainer weighs "
-                    "samples by their sampling probability)"
-                )
         self.config = config
         self.store = store
         self.server = server

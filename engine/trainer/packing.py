@@ -47,8 +47,6 @@ class Sample:
             )
         if n == 0:
             raise ValueError("a sample needs at least one token")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
     def __len__(self) -> int:
         return len(self.token_ids)

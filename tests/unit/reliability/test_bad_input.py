@@ -82,6 +82,7 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("inference-gpu-ids-count", "[inference]\nnum_servers = 2\ngpu_ids = [0]", [], r"{file}: inference: gpu_ids lists 1 devices; num_servers × tensor_parallel_size needs 2"),
     ("inference-cpu-cores-count", '[inference]\ncpu_cores = ["0-1", "2-3"]', [], r"{file}: inference: cpu_cores has 2 entries; give one per server \(1\)"),
     ("inference-dtype", '[inference]\ndtype = "int3"', [], r"{file}: inference\.dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32' \(got 'int3'\)"),
+    ("rl-greedy-sampling", '[orchestrator.sampling]\ntemperature = 0.0', [], r"{file}: orchestrator: sampling\.temperature must be > 0 for RL \(got 0\.0\): the trainer weighs samples by their sampling probability"),
     ("inference-device", '[inference]\ndevice = "tpu"', [], r"{file}: inference\.device: Input should be 'auto', 'cpu' or 'cuda' \(got 'tpu'\)"),
     ("config-file-missing", None, ["@", "/nonexistent/x.toml"], r"/nonexistent/x\.toml: config file not found"),
     ("config-file-not-toml", None, ["@", "{json}"], r"{json}: config files must be TOML \(\.toml\)"),
