@@ -49,6 +49,7 @@ from storage.tensor_files import (
     load_tensor_files,
     prepare_tensors,
     safetensors_pieces,
+    ties_word_embeddings,
 )
 
 CONFIG = "config.json"
@@ -110,9 +111,7 @@ def write_checkpoint(
     if "model_type" not in config:
         raise ValueError("config must be a Hugging Face config dict with 'model_type'")
     extra = _extra_files(files)
-    tensors, aliases = prepare_tensors(
-        weights, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))
-    )
+    tensors, aliases = prepare_tensors(weights, tie_word_embeddings=ties_word_embeddings(config))
     step_dir = join(parent, RunLayout.step_name(step))
     begin_step(store, step_dir)
     digests: dict[str, FileDigest] = {}

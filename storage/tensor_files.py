@@ -59,6 +59,17 @@ _METADATA = {"format": "pt"}
 _TIED_HEAD_SUFFIX = "lm_head.weight"
 
 
+def ties_word_embeddings(config: Mapping[str, object]) -> bool:
+    """Whether a Hugging Face config dict (`config.json`, `PretrainedConfig.to_dict()`) ties
+    the output head to the input embeddings, so that the head is stored once, as the
+    embedding. The one place that reads it: the trainer, the checkpoint writer, the pool's
+    compatibility check and the server's reload all ask here. A multimodal config keeps it in
+    `text_config`."""
+    text_config = config.get("text_config")
+    nested = text_config.get("tie_word_embeddings") if isinstance(text_config, Mapping) else None
+    return bool(config.get("tie_word_embeddings", nested or False))
+
+
 def shard_file_name(stem: str, number: int, total: int) -> str:
     """The Hugging Face name of file `number` (from 1) of `total` in the set `stem`."""
     return f"{stem}-{number:05d}-of-{total:05d}.safetensors"

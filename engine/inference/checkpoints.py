@@ -24,6 +24,7 @@ from storage.errors import CorruptObjectError, NotCommittedError
 from storage.layout import RunLayout
 from storage.policies import chain
 from storage.store import ObjectStore
+from storage.tensor_files import ties_word_embeddings
 
 
 class CheckpointError(ValueError):
@@ -116,13 +117,6 @@ def local_checkpoint(
     return folder
 
 
-def ties_embeddings(model_folder: Path) -> bool:
-    """Whether the model's config ties the output layer to the input embedding."""
-    config = json.loads((model_folder / "config.json").read_text())
-    text_config = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-
-
 def check_compatible(model_folder: Path, checkpoint: Path) -> None:
     """Raise `CheckpointError` unless `checkpoint` has the served model's tensors and shapes."""
     try:
@@ -130,7 +124,9 @@ def check_compatible(model_folder: Path, checkpoint: Path) -> None:
     except (OSError, ValueError) as exc:
         raise CheckpointError(str(exc)) from exc
     problem = signature_mismatch(
-        read_signature(model_folder), found, tied=ties_embeddings(model_folder)
+        read_signature(model_folder),
+        found,
+        tied=ties_word_embeddings(json.loads((model_folder / "config.json").read_text())),
     )
     if problem:
         raise CheckpointError(f"checkpoint {checkpoint} does not fit the served model: {problem}")

@@ -49,6 +49,7 @@ from storage.deltas import (
     is_delta_file,
     read_delta_file,
 )
+from storage.tensor_files import ties_word_embeddings
 
 Signature = dict[str, tuple[int, ...]]
 
@@ -430,7 +431,7 @@ class WeightReloadExtension:
         if self._primeflow_reference is None:
             base = served_model_folder(model_config.model, model_config.revision)
             self._primeflow_reference = read_signature(base)
-        tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        tied = ties_word_embeddings(model_config.hf_config.to_dict())
         found = read_signature(path)
         problem = signature_mismatch(self._primeflow_reference, found, tied=tied)
         if problem:

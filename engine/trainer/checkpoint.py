@@ -68,7 +68,7 @@ from storage.commit import FileDigest, begin_step, latest_committed_step
 from storage.layout import RunLayout
 from storage.parts import gather_parts
 from storage.store import ObjectStore
-from storage.tensor_files import shard_file_name
+from storage.tensor_files import shard_file_name, ties_word_embeddings
 
 _SHARDED = StateDictOptions(full_state_dict=False)
 OPTIMIZER_PREFIX = "optimizer/"
@@ -77,7 +77,7 @@ RNG_PREFIX = "rng/"
 
 def tied_head_key(policy: PolicyModel) -> str | None:
     """The LM head's weight name when it is tied to the input embeddings (stored once)."""
-    if getattr(policy.config, "tie_word_embeddings", False):
+    if ties_word_embeddings(policy.config.to_dict()):
         return f"{policy.head_name}.weight"
     return None
 

@@ -24,6 +24,7 @@ from storage.errors import CorruptObjectError, NotCommittedError
 from storage.layout import RunLayout
 from storage.retention import steps_to_delete
 from storage.store import ObjectStore
+from storage.tensor_files import ties_word_embeddings
 
 GENERATION_CONFIG = b'{"do_sample": true, "temperature": 0.7}'
 
@@ -309,3 +310,29 @@ def test_streamed_shards_load_back_equal_with_safetensors(
         loaded.update(load_file(local / file_name))
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+
+@pytest.mark.parametrize(
+    ("config", "tied"),
+    [
+        (transformers.Qwen3Config(tie_word_embeddings=True).to_dict(), True),
+        (transformers.Qwen3Config(tie_word_embeddings=False).to_dict(), False),
+        ({"text_config": {"tie_word_embeddings": True}}, True),  # a multimodal config
+        ({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}}, False),
+        ({}, False),
+    ],
+)
+def test_one_rule_says_whether_the_head_is_the_embedding(config: dict, tied: bool) -> None:
+    assert ties_word_embeddings(config) is tied
+
+
+def test_a_head_tied_in_the_text_config_is_stored_once(
+    memory_store: ObjectStore, tmp_path: Path
+) -> None:
+    embedding = torch.randn(8, 4)
+    weights = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}
+    config = {"model_type": "test", "text_config": {"tie_word_embeddings": True}}
+    record = write_checkpoint(memory_store, 0, weights=weights, config=config)
+    assert record.meta["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    loaded = load_checkpoint_weights(fetch_checkpoint(memory_store, 0, tmp_path / "c"))
+    assert loaded["lm_head.weight"] is loaded["model.embed_tokens.weight"]
