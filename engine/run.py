@@ -17,11 +17,17 @@ from storage.store import ObjectStore
 
 @dataclass(frozen=True)
 class Run:
-    """One run as `open_run` opened it: its root store (paths inside it: `RunLayout`) and the
-    local folder of its process logs."""
+    """One run as `open_run` opened it: its root store (paths inside it: `RunLayout`) and its
+    local folder (`local_run_dir`: process logs, W&B files). The flow opens it once and
+    passes it down to every task and stage."""
 
     store: ObjectStore
-    logs: Path
+    local: Path
+
+    @property
+    def logs(self) -> Path:
+        """Every process's log, the pool records, hang reports."""
+        return self.local / RunLayout.LOGS
 
     def stage_store(self, stage: Stage) -> ObjectStore:
         return stage_store(self.store, stage)
@@ -84,16 +90,22 @@ def logs_dir(config: PrimeflowConfig) -> Path:
     return local_run_dir(config) / RunLayout.LOGS
 
 
+def run_of(config: PrimeflowConfig) -> Run:
+    """The run `config` names, as it stands: nothing is written (a run another process opened,
+    or one an event names)."""
+    return Run(store=run_store(config), local=local_run_dir(config))
+
+
 def open_run(config: PrimeflowConfig, *, command: Sequence[str] | None = None) -> Run:
     """Open (or reopen, to resume) the run and record its manifest: config, versions, seeds."""
-    store = run_store(config)
-    if store.exists(RunLayout.MANIFEST):  # a resumed run keeps the manifest it started with
-        return Run(store=store, logs=logs_dir(config))
+    run = run_of(config)
+    if run.store.exists(RunLayout.MANIFEST):  # a resumed run keeps the manifest it started with
+        return run
     write_manifest(
-        store,
+        run.store,
         config=config.model_dump(mode="json"),
         seeds={"run": config.run.seed, "inference": config.inference.seed},
         parent_run=config.run.parent,
         command=list(command) if command is not None else None,
     )
-    return Run(store=store, logs=logs_dir(config))
+    return run

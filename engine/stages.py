@@ -2,12 +2,16 @@
 Prefect (a notebook, a script, a Slurm job) just the same.
 
 `run_sft` and `run_rl` start the stage's trainer pool (and, for RL, the orchestrator on a
-thread of this process), supervise it until it ends, and return a `StageOutcome`. Supervising
+thread of this process), supervise it until it ends, and return a `StageResult`. Supervising
 means: a trainer that dies fails the stage with one line naming its error and log; an
 orchestrator that fails fails it too, and is always stopped and joined before the function
 returns, so a retry never runs beside it; a stage that commits no new step for longer than the
 watchdog allows fails as hung (`engine.watchdog`), its stacks saved. A stage whose final
-checkpoint is committed already starts nothing (`finished`).
+checkpoint is committed already starts nothing (`finished`). `run_eval` evaluates a policy and
+is the one place that decides which checkpoint an evaluation takes (`eval_step`).
+
+Every function takes the `Run` the caller opened (`engine.run.open_run`: its root store and
+logs folder) rather than rebuilding it from the config.
 """
 
 from __future__ import annotations
@@ -15,18 +19,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.config import PrimeflowConfig
+from engine.inference.on_demand import PoolOnDemand
 from engine.inference.pool import InferencePool
-from engine.orchestrator.main import run_orchestrator
+from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
-from engine.run import logs_dir, run_store
+from engine.results import EvalResult, StageResult
+from engine.run import Run
 from engine.trainer.pool import TrainerPool
 from engine.watchdog import ProgressClock, capture_stacks
+from storage.checkpoints import require_committed
 from storage.commit import latest_committed_step
+from storage.evals import committed_summary
 from storage.layout import RunLayout, Stage
 from storage.metrics import latest_metric_step
 from storage.paths import join
@@ -61,41 +68,26 @@ class StageHungError(StageFailedError):
         return type(self), (str(self), self.report)  # Prefect pickles task exceptions
 
 
-@dataclass(frozen=True)
-class StageOutcome:
-    """What a finished stage left: its last step, its newest checkpoint, its time."""
-
-    stage: Stage
-    last_step: int
-    checkpoint_step: int | None
-    checkpoint: str | None
-    seconds: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def total_steps(config: PrimeflowConfig, stage: Stage) -> int:
     total = config.sft.max_steps if stage == "sft" else config.trainer.max_steps
     assert total is not None
     return total
 
 
-def outcome(config: PrimeflowConfig, stage: Stage, last_step: int, seconds: float) -> StageOutcome:
-    store = run_store(config)
+def outcome(store: ObjectStore, stage: Stage, last_step: int, seconds: float) -> StageResult:
     parent = RunLayout.stage_checkpoints(stage)
     step = latest_committed_step(store, parent)
     uri = store.url(join(parent, RunLayout.step_name(step))) if step is not None else None
-    return StageOutcome(stage, last_step, step, uri, seconds)
+    return StageResult(stage, last_step, step, uri, seconds)
 
 
-def finished(config: PrimeflowConfig, stage: Stage) -> StageOutcome | None:
-    """The stage's outcome when its final checkpoint is committed (a re-run of a finished run,
+def finished(config: PrimeflowConfig, run: Run, stage: Stage) -> StageResult | None:
+    """The stage's result when its final checkpoint is committed (a re-run of a finished run,
     or a retry after a later stage failed): then no trainer, orchestrator or server starts."""
     total = total_steps(config, stage)
-    if latest_committed_step(run_store(config), RunLayout.stage_checkpoints(stage)) != total:
+    if latest_committed_step(run.store, RunLayout.stage_checkpoints(stage)) != total:
         return None
-    return outcome(config, stage, total, 0.0)
+    return outcome(run.store, stage, total, 0.0)
 
 
 class _Progress:
@@ -128,11 +120,11 @@ class _Trainer:
     """The stage's trainer pool: started, its process group recorded, and stopped however the
     stage ends; `check` fails the stage if it hung."""
 
-    def __init__(self, config: PrimeflowConfig, stage: Stage, logger: Logger) -> None:
+    def __init__(self, config: PrimeflowConfig, run: Run, stage: Stage, logger: Logger) -> None:
         self.config, self.stage, self.logger = config, stage, logger
-        self.logs = logs_dir(config)
+        self.logs = run.logs
         also = ("orchestrator",) if stage == "rl" else ()
-        self.progress = _Progress(run_store(config), (stage, *also), ProgressClock(config.watchdog))
+        self.progress = _Progress(run.store, (stage, *also), ProgressClock(config.watchdog))
         self.pool = TrainerPool(config, stage, log_path=self.logs / f"trainer-{stage}.log")
 
     def __enter__(self) -> _Trainer:
@@ -172,19 +164,21 @@ class _Trainer:
         )
 
 
-def run_sft(config: PrimeflowConfig, logger: Logger = log) -> StageOutcome:
+def run_sft(config: PrimeflowConfig, run: Run, logger: Logger = log) -> StageResult:
     """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
     started = time.perf_counter()
-    with _Trainer(config, "sft", logger) as trainer:
+    with _Trainer(config, run, "sft", logger) as trainer:
         while (code := trainer.pool.poll()) is None:
             time.sleep(POLL_S)
             trainer.check()
     if code != 0:
         raise trainer.failure(code)
-    return _done(config, "sft", started, logger)
+    return _done(run, "sft", started, logger)
 
 
-def run_rl(config: PrimeflowConfig, pool: InferencePool, logger: Logger = log) -> StageOutcome:
+def run_rl(
+    config: PrimeflowConfig, run: Run, pool: InferencePool, logger: Logger = log
+) -> StageResult:
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
     The orchestrator runs on a thread so that a trainer that died is noticed: the
@@ -196,11 +190,11 @@ def run_rl(config: PrimeflowConfig, pool: InferencePool, logger: Logger = log) -
 
     def orchestrate() -> None:
         try:
-            run_orchestrator(config, pool, stop)
+            run_orchestrator(config, run.store, pool, stop)
         except BaseException as exc:
             failure.append(exc)
 
-    with _Trainer(config, "rl", logger) as trainer:
+    with _Trainer(config, run, "rl", logger) as trainer:
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
         orchestrator.start()
         try:
@@ -214,7 +208,7 @@ def run_rl(config: PrimeflowConfig, pool: InferencePool, logger: Logger = log) -
             _stop_orchestrator(orchestrator, stop, logger)
     if code != 0:
         raise trainer.failure(code)
-    return _done(config, "rl", started, logger)
+    return _done(run, "rl", started, logger)
 
 
 def _stop_orchestrator(
@@ -227,8 +221,56 @@ def _stop_orchestrator(
         logger.warning("rl: the orchestrator did not stop within %.0f s", ORCHESTRATOR_STOP_S)
 
 
-def _done(config: PrimeflowConfig, stage: Stage, started: float, logger: Logger) -> StageOutcome:
-    last = latest_metric_step(run_store(config), stage) or 0
-    result = outcome(config, stage, last, time.perf_counter() - started)
+def _done(run: Run, stage: Stage, started: float, logger: Logger) -> StageResult:
+    last = latest_metric_step(run.store, stage) or 0
+    result = outcome(run.store, stage, last, time.perf_counter() - started)
     logger.info("%s: done at step %d; checkpoint %s", stage, last, result.checkpoint)
+    return result
+
+
+#: Which policy an evaluation takes: a committed checkpoint step of its stage (0: the model
+#: itself), the newest committed one, or None: whatever the pool serves now.
+EvalStep = int | Literal["latest"] | None
+
+
+def eval_step(store: ObjectStore, stage: Stage, step: EvalStep, *, served: int) -> int:
+    """The checkpoint step of `stage` an evaluation takes, `served` being the policy version
+    the pool serves (or will). A named step must be committed (a step that retention deleted
+    says so); `"latest"` is the newest committed checkpoint, or the model itself (0) when the
+    stage has none yet."""
+    parent = RunLayout.stage_checkpoints(stage)
+    if step is None:
+        return served
+    if step == "latest":
+        return latest_committed_step(store, parent) or 0
+    if step > 0:
+        require_committed(store, step, parent)
+    return step
+
+
+def run_eval(
+    config: PrimeflowConfig,
+    run: Run,
+    pools: PoolOnDemand,
+    *,
+    name: str,
+    stage: Stage = "rl",
+    step: EvalStep = None,
+    logger: Logger = log,
+) -> EvalResult:
+    """Evaluate a policy of `stage` (`eval_step` says which) on the config's eval split; an
+    evaluation committed already is read back, and only then does the pool stay unstarted."""
+    started = time.perf_counter()
+    version = eval_step(run.store, stage, step, served=pools.policy_version)
+    done = committed_summary(run.store, name, version)
+    if done is not None:
+        logger.info("eval %s step %d is committed already: %s", name, version, done[0])
+        uri, summary = done
+    else:
+        evaluated = evaluate_policy(
+            config, run.store, pools.get(), name=name, stage=stage, step=version
+        )
+        uri, summary = evaluated.uri, evaluated.summary
+    result = EvalResult.from_summary(name, uri, summary, time.perf_counter() - started)
+    logger.info("eval %s: %s", name, result.metrics)
     return result

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib.metadata import version
 
 from engine.config import ConfigError, PrimeflowConfig, load_config
@@ -52,7 +52,8 @@ def _flow_runner(name: str) -> ConfigRunner:
         from tasks.results import result_storage
 
         flow = {"post-train": post_train, "sft": sft, "rl": rl, "evaluate": evaluate}[name]
-        # Results (small dicts) persist as JSON beside the runs; nothing is pickled to storage.
+        # Results (small dataclasses, `engine.results`) persist as JSON beside the runs;
+        # nothing is pickled to storage.
         flow = flow.with_options(
             result_storage=result_storage(config.storage),
             result_serializer="json",
@@ -75,7 +76,7 @@ def _flow_runner(name: str) -> ConfigRunner:
                 )
             )
         else:
-            print(json.dumps(result, indent=2, default=str))
+            print(json.dumps(asdict(result), indent=2, default=str))
             print(f"Prefect: {ui_url}")
         return 0
 
@@ -151,7 +152,10 @@ COMMANDS: dict[str, Command] = {
     ),
     "sft": Command("the SFT warm-up stage alone", run=_flow_runner("sft")),
     "rl": Command("the async RL stage alone", run=_flow_runner("rl")),
-    "eval": Command("evaluate the latest checkpoint on eval splits", run=_flow_runner("evaluate")),
+    "eval": Command(
+        "evaluate a checkpoint (eval.checkpoint_step; default the newest) on eval splits",
+        run=_flow_runner("evaluate"),
+    ),
     "inference": Command("run an inference pool in the foreground", run=_inference),
     "trainer": Command("run the RL trainer pool in the foreground", run=_trainer),
     "server": Command("start | stop | status the local Prefect server", run_plain=_server),

@@ -15,11 +15,11 @@ from prefect import flow
 
 from engine.config import PrimeflowConfig
 from engine.config.run import StorageConfig
-from engine.run import open_run, run_store, store_at
+from engine.results import EvalResult
+from engine.run import open_run, run_of, run_store, store_at
+from engine.stages import eval_step
 from flows.pipeline import flow_run_name, metrics_sink, resolve
 from flows.reproduce import recorded_config
-from storage.checkpoints import require_committed
-from storage.commit import latest_committed_step
 from storage.errors import ObjectNotFoundError
 from storage.layout import RunLayout, Stage
 from storage.manifest import read_manifest
@@ -41,10 +41,10 @@ def run_config_at(root: str, storage: StorageConfig) -> PrimeflowConfig:
     return config
 
 
-def default_eval_name(stage: Stage, step: int | None, *, triggered: bool) -> str:
-    """`base` without a checkpoint; a triggered evaluation's own `<stage>-step-<N>`; else the
-    stage (what the pipeline's own evaluation writes)."""
-    if step is None:
+def default_eval_name(stage: Stage, step: int, *, triggered: bool) -> str:
+    """`base` for the model itself (step 0); a triggered evaluation's own `<stage>-step-<N>`;
+    else the stage (what the pipeline's own evaluation writes)."""
+    if step == 0:
         return "base"
     return f"{stage}-step-{step}" if triggered else stage
 
@@ -59,22 +59,25 @@ def evaluate(
     config: PrimeflowConfig,
     overrides: dict[str, Any] | None = None,
     run: str | None = None,
-    stage: Stage = "rl",
+    stage: Stage | None = None,
     step: int | None = None,
     root: str | None = None,
-) -> dict[str, Any]:
-    """Evaluate checkpoint `step` (default: the latest) of `stage` of run `run`, or of the run
-    at `root` (a checkpoint event's)."""
+) -> EvalResult:
+    """Evaluate checkpoint `step` of `stage` (default: `eval.checkpoint_step`, else the newest
+    committed; `eval.stage`) of run `run`, or of the run at `root` (a checkpoint event's)."""
     if root is None:
         config = resolve(config, {**(overrides or {}), **({"run.name": run} if run else {})})
-        store = open_run(config, command=["prefect", "evaluate"]).store
+        opened = open_run(config, command=["prefect", "evaluate"])
     else:
         config = resolve(run_config_at(root, config.storage), overrides or {})
-        store = run_store(config)
-    if step is None:
-        step = latest_committed_step(store, RunLayout.stage_checkpoints(stage))
-    else:
-        require_committed(store, step, RunLayout.stage_checkpoints(stage))
+        opened = run_of(config)
+    stage = stage or config.eval.stage
+    wanted = step if step is not None else config.eval.checkpoint_step
+    # Named before the pool starts (a triggered evaluation's name holds its step), by the same
+    # rule the evaluation then follows.
+    step = eval_step(opened.store, stage, "latest" if wanted is None else wanted, served=0)
     name = config.eval.name or default_eval_name(stage, step, triggered=root is not None)
-    with metrics_sink(config) as sink, inference_pool(config) as pool:
-        return evaluate_checkpoint(config, pool, name=name, stage=stage, step=step, sink=sink)
+    with metrics_sink(config, opened) as sink, inference_pool(config, opened) as pool:
+        return evaluate_checkpoint(
+            config, opened, pool, name=name, stage=stage, step=step, sink=sink
+        )

@@ -19,7 +19,8 @@ from prefect.runtime import flow_run
 from engine.config import PrimeflowConfig, with_overrides
 from engine.preflight import preflight
 from engine.report import write_run_report
-from engine.run import local_run_dir, open_run
+from engine.results import PipelineResult, RunReport, StageResult
+from engine.run import Run, open_run
 from engine.wandb_sink import WandbSink, wandb_sink
 from storage.metrics import compact_metrics
 from tasks.hooks import config_of_run, kill_pools_on_exit
@@ -60,11 +61,9 @@ def flow_run_name() -> str:
     return name or flow_run.name
 
 
-def metrics_sink(config: PrimeflowConfig) -> AbstractContextManager[WandbSink | None]:
+def metrics_sink(config: PrimeflowConfig, run: Run) -> AbstractContextManager[WandbSink | None]:
     """W&B for this run when `wandb.project` is set (one resumable W&B run per primeflow run)."""
-    return wandb_sink(
-        config.wandb, config.run.name, config.model_dump(mode="json"), local_run_dir(config)
-    )
+    return wandb_sink(config.wandb, config.run.name, config.model_dump(mode="json"), run.local)
 
 
 def with_init_checkpoint(config: PrimeflowConfig, uri: str | None) -> PrimeflowConfig:
@@ -78,29 +77,37 @@ def with_init_checkpoint(config: PrimeflowConfig, uri: str | None) -> PrimeflowC
     on_cancellation=[kill_pools_on_exit],
     on_crashed=[kill_pools_on_exit],
 )
-def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> PipelineResult:
     """SFT warm-up → async RL → evaluation of base, SFT and RL policies on one held-out split."""
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "post-train"])
-    logger = get_run_logger()
-    logger.info("run %s at %s", config.run.name, run.store.url())
-    results: dict[str, Any] = {"run": config.run.name, "root": run.store.url()}
-    with metrics_sink(config) as sink, inference_pool(config) as pool:
-        results["eval_base"] = evaluate_checkpoint(config, pool, name="base", sink=sink)
-        sft_checkpoint = None
+    get_run_logger().info("run %s at %s", config.run.name, run.store.url())
+    sft_result = eval_sft = None
+    with metrics_sink(config, run) as sink, inference_pool(config, run) as pool:
+        eval_base = evaluate_checkpoint(config, run, pool, name="base", sink=sink)
         if config.sft.enabled:
-            results["sft"] = sft_warmup(config, sink)
-            sft_checkpoint = results["sft"]["checkpoint"]
-            pool.reload(sft_checkpoint, version=0)
-            results["eval_sft"] = evaluate_checkpoint(config, pool, name="sft", sink=sink)
-        config = with_init_checkpoint(config, sft_checkpoint)
-        results["rl"] = rl_loop(config, pool, sink)
-        results["eval_rl"] = evaluate_checkpoint(
-            config, pool, name="rl", step=results["rl"]["checkpoint_step"], sink=sink
+            sft_result = sft_warmup(config, run, sink)
+            assert sft_result.checkpoint is not None  # a finished stage has its checkpoint
+            pool.reload(sft_result.checkpoint, version=0)
+            eval_sft = evaluate_checkpoint(config, run, pool, name="sft", sink=sink)
+        config = with_init_checkpoint(config, sft_result.checkpoint if sft_result else None)
+        rl_result = rl_loop(config, run, pool, sink)
+        eval_rl = evaluate_checkpoint(
+            config, run, pool, name="rl", step=rl_result.checkpoint_step, sink=sink
         )
     compact_metrics(run.store)
-    results["report"] = write_run_report(run.store, title=f"primeflow run {config.run.name}")
-    publish_summary(config, results)
+    report = write_run_report(run.store, title=f"primeflow run {config.run.name}")
+    results = PipelineResult(
+        run=config.run.name,
+        root=run.store.url(),
+        eval_base=eval_base,
+        sft=sft_result,
+        eval_sft=eval_sft,
+        rl=rl_result,
+        eval_rl=eval_rl,
+        report=RunReport.from_report(report),
+    )
+    publish_summary(config, run, results)
     return results
 
 
@@ -110,12 +117,12 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
     on_cancellation=[kill_pools_on_exit],
     on_crashed=[kill_pools_on_exit],
 )
-def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> StageResult:
     """The SFT warm-up stage alone (no inference pool needed)."""
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "sft"])
-    with metrics_sink(config) as sink:
-        result = sft_warmup(config, sink)
+    with metrics_sink(config, run) as sink:
+        result = sft_warmup(config, run, sink)
     compact_metrics(run.store)
     return result
 
@@ -126,13 +133,13 @@ def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dic
     on_cancellation=[kill_pools_on_exit],
     on_crashed=[kill_pools_on_exit],
 )
-def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> StageResult:
     """The async RL stage alone, from `trainer.init_checkpoint` or the model itself."""
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "rl"])
-    with metrics_sink(config) as sink, inference_pool(config) as pool:
+    with metrics_sink(config, run) as sink, inference_pool(config, run) as pool:
         if config.trainer.init_checkpoint is not None:
             pool.reload(config.trainer.init_checkpoint, version=0)
-        result = rl_loop(config, pool, sink)
+        result = rl_loop(config, run, pool, sink)
     compact_metrics(run.store)
     return result

@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 from engine.config import PrimeflowConfig
 from engine.report.run_report import PLOT, REPORT_DIR
-from engine.run import run_store
+from engine.results import PipelineResult
+from engine.run import Run
 from storage.checkpoints import logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
@@ -236,15 +237,11 @@ def _number(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value if value is not None else "-")
 
 
-def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str:
+def summary_markdown(config: PrimeflowConfig, results: PipelineResult) -> str:
     """The run's closing summary: reward per policy, then where every output lives."""
-    root = results.get("root", "")
+    root = results.root
     lines = [f"# primeflow run `{config.run.name}`", "", "## Reward on the held-out split", ""]
-    evals = [(key.removeprefix("eval_"), value) for key, value in results.items()]
-    evals = [
-        (name, value) for name, value in evals if isinstance(value, Mapping) and "uri" in value
-    ]
-    if evals:
+    if evals := results.evals():
         k = config.eval.rollouts_per_example
         lines += [
             f"| policy | avg@{k} (sampled) | greedy avg@1 | pass@{k} | results |",
@@ -252,18 +249,15 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
         ]
         for name, value in evals:
             lines.append(
-                f"| {name} | {_number(value.get(f'avg@{k}'))} | "
-                f"{_number(value.get('greedy/avg@1'))} | {_number(value.get(f'pass@{k}'))} | "
-                f"`{value['uri']}` |"
+                f"| {name} | {_number(value.metrics.get(f'avg@{k}'))} | "
+                f"{_number(value.metrics.get('greedy/avg@1'))} | "
+                f"{_number(value.metrics.get(f'pass@{k}'))} | `{value.uri}` |"
             )
     lines += ["", "## Stages", ""]
-    for stage in ("sft", "rl"):
-        value = results.get(stage)
-        if isinstance(value, Mapping):
-            lines.append(
-                f"- **{stage}**: {value.get('last_step')} steps; last checkpoint "
-                f"`{value.get('checkpoint')}`"
-            )
+    for stage in results.stages():
+        lines.append(
+            f"- **{stage.stage}**: {stage.last_step} steps; last checkpoint `{stage.checkpoint}`"
+        )
     lines += [
         "",
         "## Where the run lives",
@@ -274,13 +268,12 @@ def summary_markdown(config: PrimeflowConfig, results: Mapping[str, Any]) -> str
         f"- checkpoints: `{root}/{RunLayout.CHECKPOINTS}/`",
         f"- metrics: `{root}/{RunLayout.METRICS_DIR}/` (and `{root}/{RunLayout.METRICS}`)",
     ]
-    report = results.get("report")
-    if isinstance(report, Mapping):
+    if (report := results.report) is not None:
         lines += [
             f"- reward and loss per step (plot, shown as the artifact "
-            f"`{artifact_key(config.run.name, 'reward-plot')}`): `{report.get('plot')}`",
-            f"- sample answers before and after: `{report.get('samples_md')}`",
-            f"- eval statistics (stderr, paired differences): `{report.get('report')}`",
+            f"`{artifact_key(config.run.name, 'reward-plot')}`): `{report.plot}`",
+            f"- sample answers before and after: `{report.samples_md}`",
+            f"- eval statistics (stderr, paired differences): `{report.report}`",
         ]
     return "\n".join(lines) + "\n"
 
@@ -297,7 +290,7 @@ def publish_hang_report(run_name: str, stage: str, report: Path, limit: int = 60
     )
 
 
-def publish_summary(config: PrimeflowConfig, results: Mapping[str, Any]) -> None:
+def publish_summary(config: PrimeflowConfig, run: Run, results: PipelineResult) -> None:
     """The summary, and the reward plot as an image the UI shows (a `data:` URL: the plot's
     own URI is a `file://` or `s3://` path no browser opens)."""
     create_markdown_artifact(
@@ -305,8 +298,8 @@ def publish_summary(config: PrimeflowConfig, results: Mapping[str, Any]) -> None
         key=artifact_key(config.run.name, "summary"),
         description=f"primeflow run {config.run.name}: rewards, stages and outputs",
     )
-    if isinstance(results.get("report"), Mapping):
-        png = run_store(config).read_bytes(join(REPORT_DIR, PLOT))
+    if results.report is not None:
+        png = run.store.read_bytes(join(REPORT_DIR, PLOT))
         create_image_artifact(
             image_url=f"data:image/png;base64,{base64.b64encode(png).decode()}",
             key=artifact_key(config.run.name, "reward-plot"),

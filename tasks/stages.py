@@ -1,41 +1,31 @@
 """The stage tasks: each runs one stage of `engine.stages` to completion (or resumes it) and
-returns its outcome as a small dict, with the stage's progress mirrored into the UI.
+returns its typed result (`engine.results`), with the stage's progress mirrored into the UI.
 
 A stage task is idempotent: the engine resumes from the last committed step, so Prefect's
 retry of a task that failed half-way continues where it stopped instead of starting over.
-Results are small dicts (steps, URIs, headline numbers); nothing large or secret goes into
-Prefect.
+Results are small (steps, URIs, headline numbers); nothing large or secret goes into Prefect.
 """
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engine.config import PrimeflowConfig
-from engine.orchestrator.main import EvalOutcome, evaluate_policy
-from engine.run import run_store
-from engine.stages import (
-    StageHungError,
-    StageOutcome,
-    finished,
-    run_rl,
-    run_sft,
-    total_steps,
-)
+from engine.inference.on_demand import PoolOnDemand
+from engine.results import EvalResult, StageResult
+from engine.run import Run
+from engine.stages import EvalStep, StageHungError, finished, run_eval, run_rl, run_sft, total_steps
 from engine.wandb_sink import WandbSink
-from storage.evals import committed_summary
 from storage.layout import RunLayout, Stage
-from tasks.pools import PoolOnDemand
 from tasks.reporting import StageMonitor, publish_hang_report
 
 
-def _monitor(config: PrimeflowConfig, stage: Stage, sink: WandbSink | None) -> StageMonitor:
+def _monitor(
+    config: PrimeflowConfig, run: Run, stage: Stage, sink: WandbSink | None
+) -> StageMonitor:
     return StageMonitor(
-        run_store(config),
+        run.store,
         config.run.name,
         stage,
         total_steps=total_steps(config, stage),
@@ -45,8 +35,8 @@ def _monitor(config: PrimeflowConfig, stage: Stage, sink: WandbSink | None) -> S
     )
 
 
-def _already_done(config: PrimeflowConfig, stage: Stage) -> StageOutcome | None:
-    done = finished(config, stage)
+def _already_done(config: PrimeflowConfig, run: Run, stage: Stage) -> StageResult | None:
+    done = finished(config, run, stage)
     if done is not None:
         get_run_logger().info(
             "%s: all %d steps are committed already; nothing to train", stage, done.last_step
@@ -60,30 +50,30 @@ def _reported(config: PrimeflowConfig, stage: Stage, error: StageHungError) -> S
 
 
 @task(name="sft-warmup", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def sft_warmup(config: PrimeflowConfig, sink: WandbSink | None = None) -> dict[str, Any]:
+def sft_warmup(config: PrimeflowConfig, run: Run, sink: WandbSink | None = None) -> StageResult:
     """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
-    if (done := _already_done(config, "sft")) is not None:
-        return done.as_dict()
-    with _monitor(config, "sft", sink):
+    if (done := _already_done(config, run, "sft")) is not None:
+        return done
+    with _monitor(config, run, "sft", sink):
         try:
-            return run_sft(config, get_run_logger()).as_dict()
+            return run_sft(config, run, get_run_logger())
         except StageHungError as exc:
             raise _reported(config, "sft", exc) from None
 
 
 @task(name="rl-loop", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def rl_loop(
-    config: PrimeflowConfig, pools: PoolOnDemand, sink: WandbSink | None = None
-) -> dict[str, Any]:
+    config: PrimeflowConfig, run: Run, pools: PoolOnDemand, sink: WandbSink | None = None
+) -> StageResult:
     """The RL stage (`engine.stages.run_rl`: trainer pool, orchestrator thread, their watch)
     on the flow's inference pool; whatever ends it, its orchestrator is joined first, so a
     retry never runs beside the previous attempt's."""
-    if (done := _already_done(config, "rl")) is not None:
-        return done.as_dict()
+    if (done := _already_done(config, run, "rl")) is not None:
+        return done
     pool = pools.get()
-    with _monitor(config, "rl", sink):
+    with _monitor(config, run, "rl", sink):
         try:
-            return run_rl(config, pool, get_run_logger()).as_dict()
+            return run_rl(config, run, pool, get_run_logger())
         except StageHungError as exc:
             raise _reported(config, "rl", exc) from None
 
@@ -91,35 +81,20 @@ def rl_loop(
 @task(name="evaluate", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def evaluate_checkpoint(
     config: PrimeflowConfig,
+    run: Run,
     pools: PoolOnDemand,
     *,
     name: str,
     stage: Stage = "rl",
-    step: int | None = None,
+    step: EvalStep = None,
     sink: WandbSink | None = None,
-) -> dict[str, Any]:
-    """Evaluate what `pools` serves (step None) or a committed checkpoint of `stage`; an
-    evaluation committed already is read back without starting the pool."""
-    eval_config = config.eval.model_copy(
-        update={"name": name, "stage": stage, "checkpoint_step": step}
+) -> EvalResult:
+    """`engine.stages.run_eval`: what `pools` serves (step None), the newest committed
+    checkpoint of `stage` ("latest") or a given one; one committed already is read back
+    without starting the pool."""
+    result = run_eval(
+        config, run, pools, name=name, stage=stage, step=step, logger=get_run_logger()
     )
-    started = time.perf_counter()
-    done = committed_summary(
-        run_store(config), name, pools.policy_version if step is None else step
-    )
-    if done is not None:
-        outcome = EvalOutcome(uri=done[0], summary=done[1])
-    else:
-        outcome = evaluate_policy(config.model_copy(update={"eval": eval_config}), pools.get())
-    headline = {k: v for k, v in outcome.summary.items() if isinstance(v, int | float)}
-    samples = sum(env.get("samples", 0) for env in outcome.summary.get("envs", {}).values())
     if sink is not None:
-        sink.log({"stage": f"eval-{name}", "step": outcome.summary["step"], **headline})
-    get_run_logger().info("eval %s: %s", name, headline)
-    return {
-        "name": name,
-        "uri": outcome.uri,
-        "samples": samples,
-        "seconds": time.perf_counter() - started,
-        **headline,
-    }
+        sink.log({"stage": f"eval-{name}", "step": result.step, **result.metrics})
+    return result

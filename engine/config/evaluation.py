@@ -26,13 +26,16 @@ class EvalConfig(BaseConfig):
         int | None,
         Field(
             ge=0,
-            description="Checkpoint to evaluate; 0: the base model; None: the latest committed "
-            "(or, given a running pool, the policy it serves).",
+            description="Checkpoint `primeflow evaluate` takes; 0: the model itself; None: the "
+            "newest committed.",
         ),
     ] = None
     stage: Annotated[
         Literal["rl", "sft"],
-        Field(description="Whose checkpoints: RL's (`<run>/checkpoints`) or SFT's (`<run>/sft`)."),
+        Field(
+            description="Whose checkpoints `primeflow evaluate` takes: RL's (`<run>/checkpoints`) "
+            "or SFT's (`<run>/sft`)."
+        ),
     ] = "rl"
     name: Annotated[
         str | None,

@@ -25,10 +25,10 @@ from engine.models.resolve import resolve_model
 from engine.orchestrator.evaluate import play, rows, summarize, summary_document
 from engine.orchestrator.loop import Orchestrator
 from engine.run import logs_dir, run_store, stage_store
-from storage.commit import latest_committed_step
-from storage.evals import committed_summary, write_eval
-from storage.layout import RunLayout
+from storage.evals import write_eval
+from storage.layout import RunLayout, Stage
 from storage.metrics import write_metrics
+from storage.store import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +61,19 @@ def run_orchestrator(
     config: PrimeflowConfig,
     pool: InferencePool | None = None,
     stop: threading.Event | None = None,
+    *,
+    store: ObjectStore | None = None,
 ) -> int:
     """Make and commit `rollouts/step_N` for every remaining RL step; 0 when all are done.
 
     Setting `stop` (from another thread) ends the loop at its next poll with
     `OrchestratorStoppedError`; a step being committed at that moment is committed first.
+    `store` is the run's root (the stage passes the one it opened; None: from the config).
     """
     orchestrator_config = config.orchestrator
     entries = mix_entries(orchestrator_config.envs, orchestrator_config.sampling)
     tokenizer = load_tokenizer(config)
-    store = run_store(config)
+    store = store if store is not None else run_store(config)
     with policy_pool(config, pool) as serving:
 
         async def main() -> None:
@@ -100,38 +103,34 @@ class EvalOutcome:
     summary: dict[str, Any]
 
 
-def evaluate_policy(config: PrimeflowConfig, pool: InferencePool | None = None) -> EvalOutcome:
-    """Evaluate the configured checkpoint (or what a running `pool` serves) on held-out tasks."""
+def evaluate_policy(
+    config: PrimeflowConfig,
+    store: ObjectStore,
+    pool: InferencePool,
+    *,
+    name: str,
+    stage: Stage,
+    step: int,
+) -> EvalOutcome:
+    """Evaluate checkpoint `step` of `stage` on the config's eval split, with `pool` (reloaded
+    to it unless it serves that version), and commit `eval/<name>/step_<step>` under the run
+    root `store`. Which step to take is `engine.stages.eval_step`'s decision."""
     eval_config = config.eval
-    store = run_store(config)
-    checkpoints = stage_store(store, eval_config.stage)
     entries = mix_entries(eval_config.envs, eval_config.sampling)
     tokenizer = load_tokenizer(config)
-    name = eval_config.name or eval_config.stage
     assert config.orchestrator.seq_len is not None
-    with policy_pool(config, pool) as serving:
-        step = eval_config.checkpoint_step
-        if step is None and pool is None:
-            step = latest_committed_step(checkpoints, RunLayout.CHECKPOINTS) or 0
-        if step is None:
-            step = serving.policy_version
-        if (done := committed_summary(store, name, step)) is not None:
-            logger.info("eval %s step %d is committed already: %s", name, step, done[0])
-            return EvalOutcome(uri=done[0], summary=done[1])
-        if step != serving.policy_version:
-            uri = checkpoints.url(RunLayout.checkpoint_dir(step))
-            serving.reload(uri, version=step)
+    if step != pool.policy_version:
+        uri = stage_store(store, stage).url(RunLayout.checkpoint_dir(step))
+        pool.reload(uri, version=step)
 
-        async def main() -> tuple[list[dict], dict[str, dict]]:
-            async with InferenceClient.from_pool(
-                serving, max_concurrent=eval_config.max_concurrent
-            ) as client:
-                generator = TurnGenerator(
-                    client, ChatTokenizer(tokenizer), config.orchestrator.seq_len
-                )
-                return await _evaluate(config, entries, generator, tokenizer)
+    async def main() -> tuple[list[dict], dict[str, dict]]:
+        async with InferenceClient.from_pool(
+            pool, max_concurrent=eval_config.max_concurrent
+        ) as client:
+            generator = TurnGenerator(client, ChatTokenizer(tokenizer), config.orchestrator.seq_len)
+            return await _evaluate(config, entries, generator, tokenizer)
 
-        results, per_env = asyncio.run(main())
+    results, per_env = asyncio.run(main())
     k = eval_config.rollouts_per_example
     summary = summary_document(name, step, k, per_env)
     uri = write_eval(store, name, step, results, summary)

@@ -8,20 +8,21 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import psutil
 from prefect import flow
 
 from engine.config import PrimeflowConfig
+from engine.inference.on_demand import PoolOnDemand
 from engine.inference.pool import InferencePool
+from engine.results import StageResult
+from engine.run import run_of
 from storage.checkpoints import fetch_checkpoint, load_trainer_state
 from storage.commit import MARKER, committed_steps, latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.shards import read_rollouts
 from storage.store import ObjectStore
-from tasks.pools import PoolOnDemand
 from tasks.stages import rl_loop
 
 
@@ -45,12 +46,13 @@ def rollouts_at(store: ObjectStore) -> int:
 
 def run_rl_stage(
     config: PrimeflowConfig, pool: InferencePool, name: str = "rl-under-fault"
-) -> dict[str, Any]:
-    """`rl_loop` as the pipeline runs it: a task (retries=1) of a flow run on a Prefect server."""
+) -> StageResult:
+    """`rl_loop` as the pipeline runs it: a task (retries=1) of a flow run on a Prefect server,
+    on the session's running pool."""
 
     @flow(name=name, validate_parameters=False)
-    def stage() -> dict[str, Any]:
-        return rl_loop(config, PoolOnDemand(config, pool))
+    def stage() -> StageResult:
+        return rl_loop(config, run_of(config), PoolOnDemand(lambda: pool, pool))
 
     return stage()
 

@@ -178,7 +178,7 @@ def test_read_only_checkpoints_fail_the_rl_stage_with_one_line_naming_the_uri(
     assert "\n" not in message, message
     assert f"PermanentStorageError: {store.url(RunLayout.checkpoint_dir(1))}" in message, message
     assert committed_steps(store, RunLayout.CHECKPOINTS) == []
-    assert run_rl_stage(config, pool)["checkpoint_step"] == 2
+    assert run_rl_stage(config, pool).checkpoint_step == 2
     assert_every_step_committed_once(store, 2)
     assert_unchanged(rollouts, commit_times(store, RunLayout.ROLLOUTS))
     assert leftovers() == []

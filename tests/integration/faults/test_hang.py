@@ -83,7 +83,7 @@ def test_a_stopped_trainer_rank_fails_the_stage_with_its_stacks_and_the_retry_re
     striker.join()
 
     assert seen.get("stopped"), "the rank was never stopped"
-    assert result["checkpoint_step"] == MAX_STEPS  # the retry resumed and finished
+    assert result.checkpoint_step == MAX_STEPS  # the retry resumed and finished
     assert_every_step_committed_once(store, MAX_STEPS)
 
     logs = logs_dir(config)

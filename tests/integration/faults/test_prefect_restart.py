@@ -72,7 +72,7 @@ def test_prefect_server_restarted_mid_stage_the_stage_and_flow_run_complete(
 
     # The server really was down while the stage worked (it went on committing meanwhile).
     assert seen["down_at_step"] < MAX_STEPS and is_healthy(prefect_server.api_url)
-    assert result["checkpoint_step"] == MAX_STEPS
+    assert result.checkpoint_step == MAX_STEPS
     assert_every_step_committed_once(store, MAX_STEPS)
     assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))
     (run,) = flow_runs(FLOW)

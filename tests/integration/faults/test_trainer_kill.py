@@ -81,7 +81,7 @@ def test_trainer_killed_mid_step_resumes_and_commits_every_step_once(
     # The kill landed mid-step (checkpoint 2 not committed): torchrun and its rank, or the rank.
     assert len(seen.get("killed", [])) >= (2 if victim == "torchrun" else 1), seen
     assert max(seen["checkpoints"]) == KILL_AT - 1
-    assert result["checkpoint_step"] == MAX_STEPS
+    assert result.checkpoint_step == MAX_STEPS
 
     assert_every_step_committed_once(store, MAX_STEPS)
     assert_unchanged(seen["checkpoints"], commit_times(store, RunLayout.CHECKPOINTS))

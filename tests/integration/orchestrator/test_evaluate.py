@@ -31,13 +31,11 @@ def test_eval_reports_avg_and_pass_at_k_with_per_sample_results(
             "rollouts_per_example": 3,
             "sampling": {"max_tokens": 24},
             "pass_threshold": 0.1,
-            "checkpoint_step": 0,
-            "name": "base",
         }
     )
-    outcome = evaluate_policy(config, pool)
-
     store = run_store(config)
+    outcome = evaluate_policy(config, store, pool, name="base", stage="rl", step=0)
+
     step_dir = RunLayout.eval_dir("base", 0)
     record = read_commit(store, step_dir)
     assert set(record.files) == {RESULTS, SUMMARY} and record.rows == 6 * 3 + 6

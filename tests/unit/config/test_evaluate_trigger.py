@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config import PrimeflowConfig
+from engine.stages import eval_step
 from flows.evaluate import default_eval_name, evaluate, run_config_at
 from storage.checkpoints import apply_retention, log_commit, write_checkpoint
 from storage.errors import NotCommittedError
@@ -35,7 +36,7 @@ def test_the_run_is_read_from_its_root_not_the_deployments_store(
 def test_a_triggered_evaluation_writes_under_its_own_name() -> None:
     assert default_eval_name("rl", 3, triggered=True) == "rl-step-3"
     assert default_eval_name("rl", 3, triggered=False) == "rl"
-    assert default_eval_name("sft", None, triggered=True) == "base"
+    assert default_eval_name("sft", 0, triggered=True) == "base"
 
 
 def test_evaluating_a_checkpoint_retention_deleted_fails_before_any_server_starts(
@@ -51,3 +52,16 @@ def test_evaluating_a_checkpoint_retention_deleted_fails_before_any_server_start
     with pytest.raises(NotCommittedError, match="deleted by retention") as failed:
         evaluate.fn(PrimeflowConfig(), root=root, stage="rl", step=1)
     assert failed.value.uri == store.url(RunLayout.checkpoint_dir(1))
+
+
+def test_one_rule_picks_the_checkpoint_an_evaluation_takes(tmp_path: Path) -> None:
+    store = ObjectStore(f"file://{tmp_path}/run")
+    assert eval_step(store, "rl", "latest", served=5) == 0  # nothing committed: the model itself
+    assert eval_step(store, "rl", None, served=5) == 5  # what the pool serves
+    for step in (2, 4):
+        write_checkpoint(store, step, weights={"w": torch.ones(1)}, config={"model_type": "t"})
+    assert eval_step(store, "rl", "latest", served=5) == 4
+    assert eval_step(store, "rl", 2, served=5) == 2
+    assert eval_step(store, "sft", "latest", served=5) == 0  # SFT's checkpoints live apart
+    with pytest.raises(NotCommittedError, match="never committed"):
+        eval_step(store, "rl", 3, served=5)

@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
+from engine.results import EvalResult, PipelineResult, RunReport, StageResult
 from flows.summary import render
 
 
+def _eval(name: str, reward: float, greedy: float, uri: str, seconds: float) -> EvalResult:
+    metrics = {"avg@1": reward, "greedy/avg@1": greedy}
+    return EvalResult(name, 0, uri, samples=200, seconds=seconds, metrics=metrics)
+
+
 def test_summary_lists_each_policy_stage_times_and_locations() -> None:
-    results = {
-        "run": "demo",
-        "root": "file:///runs/demo",
-        "eval_base": {
-            "avg@1": 0.05,
-            "greedy/avg@1": 0.01,
-            "samples": 200,
-            "uri": "u0",
-            "seconds": 40,
-        },
-        "sft": {"last_step": 300, "seconds": 125.0},
-        "eval_sft": {
-            "avg@1": 0.55,
-            "greedy/avg@1": 0.6,
-            "samples": 200,
-            "uri": "u1",
-            "seconds": 30,
-        },
-        "rl": {"last_step": 100, "seconds": 400.0},
-        "eval_rl": {"avg@1": 0.61, "greedy/avg@1": 0.7, "samples": 200, "uri": "u2", "seconds": 31},
-        "report": {"evals": {"rl": {"sampled": {"stderr": 0.02}}}, "plot": "file:///r/reward.png"},
-    }
+    results = PipelineResult(
+        run="demo",
+        root="file:///runs/demo",
+        eval_base=_eval("base", 0.05, 0.01, "u0", 40),
+        sft=StageResult("sft", 300, 300, "file:///runs/demo/sft/step_300", 125.0),
+        eval_sft=_eval("sft", 0.55, 0.6, "u1", 30),
+        rl=StageResult("rl", 100, 100, "file:///runs/demo/checkpoints/step_100", 400.0),
+        eval_rl=_eval("rl", 0.61, 0.7, "u2", 31),
+        report=RunReport(
+            plot="file:///r/reward.png", samples_md="s", report="r", stderr={"rl": 0.02}
+        ),
+    )
     text = render(results, k=1, temperature=1.0, ui_url="http://127.0.0.1:4200/runs/flow-run/x")
     rows = {line.split()[0]: line.split() for line in text.splitlines()[3:6]}
     assert rows["base"][1:4] == ["0.050", "0.010", "200"]
@@ -37,3 +33,28 @@ def test_summary_lists_each_policy_stage_times_and_locations() -> None:
     assert "plot:     file:///r/reward.png" in text
     assert "file:///runs/demo" in text and "http://127.0.0.1:4200/runs/flow-run/x" in text
     assert all(line == line.rstrip() for line in text.splitlines())
+
+
+def test_an_evaluation_reads_its_headline_numbers_from_its_summary() -> None:
+    summary = {
+        "name": "rl", "step": 7, "avg@2": 0.5, "pass@2": 0.75, "greedy/avg@1": 0.25,
+        "envs": {"a": {"samples": 6}, "b": {"samples": 4}},
+    }  # fmt: skip
+    result = EvalResult.from_summary("rl", "file:///e", summary, seconds=2.0)
+    assert result.step == 7 and result.samples == 10 and result.uri == "file:///e"
+    assert result.metrics == {"avg@2": 0.5, "pass@2": 0.75, "greedy/avg@1": 0.25}
+
+
+def test_results_persist_as_json_and_read_back_typed() -> None:
+    """The CLI persists flow results with Prefect's JSON serializer: no pickle in storage."""
+    from prefect.serializers import JSONSerializer
+
+    results = PipelineResult(
+        run="demo",
+        root="file:///runs/demo",
+        eval_base=_eval("base", 0.05, 0.01, "u0", 40),
+        rl=StageResult("rl", 3, 3, "file:///runs/demo/checkpoints/step_3", 12.5),
+    )
+    serializer = JSONSerializer()
+    back = serializer.loads(serializer.dumps(results))
+    assert back == results and isinstance(back.rl, StageResult)

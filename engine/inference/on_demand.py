@@ -1,0 +1,49 @@
+"""An inference pool started by the first stage that has something to generate.
+
+A stage whose result is committed already (a resumed or re-run run) never asks for it, so
+re-running a finished run starts no server. How the pool starts is passed in: the flows start
+it as a Prefect task (`tasks.pools`), a script with `InferencePool.for_run(...).start()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.inference.pool import InferencePool
+
+
+class PoolOnDemand:
+    """The pool, started by `start` on first use. A reload asked for before the start is kept
+    and applied once the servers are up; `policy_version` is what they serve, or will."""
+
+    def __init__(self, start: Callable[[], InferencePool], pool: InferencePool | None = None):
+        self._start = start
+        self._pool = pool
+        self._pending: tuple[str, int] | None = None
+
+    @property
+    def started(self) -> InferencePool | None:
+        """The pool if it has started, else None."""
+        return self._pool
+
+    @property
+    def policy_version(self) -> int:
+        if self._pending is not None:
+            return self._pending[1]
+        return self._pool.policy_version if self._pool is not None else 0
+
+    def reload(self, checkpoint: str, version: int) -> None:
+        if self._pool is None:
+            self._pending = (checkpoint, version)
+        else:
+            self._pool.reload(checkpoint, version=version)
+
+    def get(self) -> InferencePool:
+        """The running pool, started (and brought to the pending version) on first use."""
+        if self._pool is None:
+            self._pool = self._start()
+        if self._pending is not None:
+            checkpoint, version = self._pending
+            self._pool.reload(checkpoint, version=version)
+            self._pending = None
+        return self._pool

@@ -1,0 +1,103 @@
+"""What the stages and the pipeline return: small, typed, JSON-serialisable records.
+
+They are what a Prefect task or flow returns (persisted as JSON beside the runs: Prefect's
+serializer writes a dataclass's fields and reads them back into the class) and what the
+terminal summary and the UI's summary artifact read, by attribute rather than by string key.
+Nothing large goes in: URIs, steps, seconds, headline numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.layout import Stage
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a finished stage left: its last step, its newest checkpoint, its time."""
+
+    stage: Stage
+    last_step: int
+    checkpoint_step: int | None
+    checkpoint: str | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One committed evaluation: where it lives, the policy step it took, its headline numbers
+    (`avg@k`, `pass@k`, `greedy/avg@1`, ... from its `summary.json`)."""
+
+    name: str
+    step: int
+    uri: str
+    samples: int
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_summary(
+        cls, name: str, uri: str, summary: Mapping[str, Any], seconds: float
+    ) -> EvalResult:
+        """From an evaluation's `summary.json` document (`storage.evals`)."""
+        envs = summary.get("envs", {})
+        return cls(
+            name=name,
+            step=int(summary["step"]),
+            uri=uri,
+            samples=sum(int(env.get("samples", 0)) for env in envs.values()),
+            seconds=seconds,
+            metrics={
+                key: float(value)
+                for key, value in summary.items()
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+            },
+        )
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Where `engine.report.write_run_report` put the run's report, and the sampled reward's
+    standard error per evaluation (the ± the summaries print)."""
+
+    plot: str
+    samples_md: str
+    report: str
+    stderr: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any]) -> RunReport:
+        stderr = {
+            name: float(stats["sampled"]["stderr"])
+            for name, stats in report.get("evals", {}).items()
+            if isinstance(stats.get("sampled", {}).get("stderr"), int | float)
+        }
+        return cls(
+            plot=report["plot"], samples_md=report["samples_md"], report=report["report"],
+            stderr=stderr,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """The `post-train` flow's result: every stage and evaluation it ran, and the report."""
+
+    run: str
+    root: str
+    eval_base: EvalResult | None = None
+    sft: StageResult | None = None
+    eval_sft: EvalResult | None = None
+    rl: StageResult | None = None
+    eval_rl: EvalResult | None = None
+    report: RunReport | None = None
+
+    def evals(self) -> list[tuple[str, EvalResult]]:
+        """(policy, evaluation) in the order the pipeline ran them: base, sft, rl."""
+        pairs = (("base", self.eval_base), ("sft", self.eval_sft), ("rl", self.eval_rl))
+        return [(policy, result) for policy, result in pairs if result is not None]
+
+    def stages(self) -> list[StageResult]:
+        return [stage for stage in (self.sft, self.rl) if stage is not None]
