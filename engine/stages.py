@@ -190,7 +190,7 @@ def run_rl(
 
     def orchestrate() -> None:
         try:
-            run_orchestrator(config, run.store, pool, stop)
+            run_orchestrator(config, pool, stop, store=run.store)
         except BaseException as exc:
             failure.append(exc)
 

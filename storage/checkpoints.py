@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ from storage.tensor_files import (
 
 CONFIG = "config.json"
 WEIGHTS_STEM = "model"
+#: A LoRA adapter's folder is PEFT's (`PeftModel.save_pretrained`), which vLLM's runtime LoRA
+#: loading reads: its config and one weights file (no sharded index).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_STEM = "adapter_model"
 TRAINER_DIR = "trainer"
 TRAINER_STATE_STEM = f"{TRAINER_DIR}/state"
 PROGRESS = f"{TRAINER_DIR}/progress.json"
@@ -65,9 +70,9 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 def _is_reserved(name: str) -> bool:
     """Names the writer produces itself, which passed-through files must not replace."""
     return (
-        name in (CONFIG, MARKER)
+        name in (CONFIG, ADAPTER_CONFIG, MARKER)
         or name.startswith(f"{TRAINER_DIR}/")
-        or (name.startswith(WEIGHTS_STEM) and ".safetensors" in name)
+        or (name.startswith((WEIGHTS_STEM, ADAPTER_STEM)) and ".safetensors" in name)
     )
 
 
@@ -99,6 +104,7 @@ def write_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     meta: Mapping[str, Any] | None = None,
     parent: str = RunLayout.CHECKPOINTS,
+    adapter: bool = False,
 ) -> CommitRecord:
     """Write checkpoint `step` below the run root `store` and commit it.
 
@@ -106,12 +112,22 @@ def write_checkpoint(
     `files` extra files such as `tokenizer.json` or `generation_config.json`. The commit meta
     records `aliases`: tensors left out because they are tied to another (the output head).
     `parent` is `checkpoints` (resume checkpoints) or `policies` (policy versions: weights
-    only, the same Hugging Face folder).
+    only, the same Hugging Face folder). With `adapter`, `weights` is a LoRA adapter (PEFT's
+    tensor names) and `config` its `adapter_config.json`: the folder is PEFT's layout, in one
+    weights file.
     """
-    if "model_type" not in config:
+    if adapter:
+        if "peft_type" not in config:
+            raise ValueError("an adapter's config must be PEFT's adapter config ('peft_type')")
+        config_name, stem, max_shard_bytes = ADAPTER_CONFIG, ADAPTER_STEM, sys.maxsize
+    elif "model_type" not in config:
         raise ValueError("config must be a Hugging Face config dict with 'model_type'")
+    else:
+        config_name, stem = CONFIG, WEIGHTS_STEM
     extra = _extra_files(files)
-    tensors, aliases = prepare_tensors(weights, tie_word_embeddings=ties_word_embeddings(config))
+    tensors, aliases = prepare_tensors(
+        weights, tie_word_embeddings=not adapter and ties_word_embeddings(config)
+    )
     step_dir = join(parent, RunLayout.step_name(step))
     begin_step(store, step_dir)
     digests: dict[str, FileDigest] = {}
@@ -134,8 +150,8 @@ def write_checkpoint(
 
     for name, data in extra.items():
         put(name, data)
-    put(CONFIG, _json_bytes(config, "config"))
-    for name, pieces in encode_tensor_files(tensors, WEIGHTS_STEM, max_shard_bytes=max_shard_bytes):
+    put(config_name, _json_bytes(config, "config"))
+    for name, pieces in encode_tensor_files(tensors, stem, max_shard_bytes=max_shard_bytes):
         stream(name, pieces)
     if trainer_state:
         state, _ = prepare_tensors(trainer_state, tie_word_embeddings=False)
@@ -320,13 +336,19 @@ def _swap_in(staging: Path, folder: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def is_adapter(folder: Path) -> bool:
+    """Whether a local checkpoint folder holds a LoRA adapter rather than a whole model."""
+    return (folder / ADAPTER_CONFIG).is_file()
+
+
 def load_checkpoint_weights(local_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The full state dict of a fetched checkpoint (or any Hugging Face safetensors folder).
+    """The full state dict of a fetched checkpoint (or any Hugging Face safetensors folder),
+    or an adapter's tensors (PEFT's names) for an adapter folder.
 
     Tied tensors left out on write come back as the very tensor they alias, as in the model.
     """
     folder = Path(local_dir)
-    tensors = load_tensor_files(folder, WEIGHTS_STEM)
+    tensors = load_tensor_files(folder, ADAPTER_STEM if is_adapter(folder) else WEIGHTS_STEM)
     record = _local_record(folder)
     for dropped, kept in (record.meta.get("aliases", {}) if record else {}).items():
         tensors[dropped] = tensors[kept]

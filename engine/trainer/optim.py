@@ -12,8 +12,9 @@ from engine.trainer.model import PolicyModel
 def build_optimizer(policy: PolicyModel, config: OptimizerConfig, device: torch.device) -> AdamW:
     """AdamW with weight decay on ≥2-D weights; norms and biases are not decayed (they are scales
     and offsets, and shrinking them towards 0 only fights the data)."""
-    matrices = [p for p in policy.parameters() if p.ndim >= 2]
-    vectors = [p for p in policy.parameters() if p.ndim < 2]
+    params = [p for _, p in policy.trainable()]
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
     return AdamW(
         [
             {"params": matrices, "weight_decay": config.weight_decay},

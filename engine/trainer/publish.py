@@ -40,6 +40,7 @@ from engine.trainer.background import BackgroundWrite
 from engine.trainer.checkpoint import model_tensors, state_file
 from engine.trainer.distributed import DistInfo, agree_sums, shared_uid
 from engine.trainer.host_copies import Fence, HostCopies
+from engine.trainer.lora import adapter_config, published
 from engine.trainer.model import PolicyModel
 from engine.trainer.owners import assign_owners
 from storage.checkpoints import (
@@ -373,3 +374,53 @@ class PolicyPublisher:
         if dist.is_initialized():
             dist.barrier()
         return newer
+
+
+class AdapterPublisher(PolicyPublisher):
+    """A LoRA run's policy versions: the whole adapter every step, in PEFT's layout and the
+    serving dtype, which a server loads beside the base it already serves.
+
+    An adapter is ~1 % of the model's bytes and nearly all of its entries change every step,
+    so there are no deltas; it is gathered to rank 0, which writes it in the background.
+    Version 0 (B = 0) is the base model itself.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        lora = self.policy.lora
+        assert lora is not None, "AdapterPublisher needs a policy built with trainer.lora"
+        self._adapter = adapter_config(lora, self.policy.config.name_or_path)
+
+    def publish(self, step: int) -> dict[str, float]:
+        """Snapshot the adapter as version `step` and write it in the background (collective)."""
+        started = time.perf_counter()
+        self.flush()
+        waited = time.perf_counter() - started
+        uid = shared_uid(self.dist_info)
+        weights, fence = snapshot_weights(self._params, self.dtype, self.dist_info)
+        fence.guard(self.optimizer)
+        if self.dist_info.is_main:
+            self._writes.start(
+                f"publish-{step}", functools.partial(self._write_adapter, step, uid, weights, fence)
+            )
+        return {
+            "publish_wait_seconds": waited,
+            "publish_snapshot_seconds": time.perf_counter() - started - waited,
+            "policy_full": 1.0,
+            "policy_bytes": float(sum(self._sizes.values()) * self.dtype.itemsize),
+        }
+
+    def _write_adapter(
+        self, step: int, uid: str, weights: dict[str, torch.Tensor], fence: Fence
+    ) -> None:
+        fence.wait()
+        write_checkpoint(
+            self.store,
+            step,
+            weights=published(weights),
+            config=self._adapter,
+            parent=RunLayout.POLICIES,
+            meta={**self._meta(uid), "kind": FULL, "adapter": True},
+            adapter=True,
+        )
+        self._prune()

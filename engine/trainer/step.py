@@ -76,7 +76,7 @@ def _clip(policy: PolicyModel, max_norm: float | None) -> Tensor:
     Nothing here reads the norm on the host, so the clip's kernels queue behind backward's.
     """
     norm = torch.nn.utils.clip_grad_norm_(
-        policy.parameters(), max_norm if max_norm is not None else math.inf
+        [p for _, p in policy.trainable()], max_norm if max_norm is not None else math.inf
     )
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

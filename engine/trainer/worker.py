@@ -31,7 +31,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from engine.config import PrimeflowConfig
-from engine.config.trainer import OptimizerConfig, SchedulerConfig
+from engine.config.trainer import OptimizerConfig, SchedulerConfig, TrainerConfig
 from engine.inference.checkpoints import local_checkpoint
 from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
@@ -39,20 +39,21 @@ from engine.placement import bind_to_cores
 from engine.run import run_store as open_store
 from engine.run import stage_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
-from engine.trainer.checkpoint import CheckpointWriter, load_checkpoint
+from engine.trainer.checkpoint import CheckpointWriter, load_adapter, load_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import LossFn, build_loss, sft_loss
 from engine.trainer.metrics import flops_per_token, measure_bf16_peak
 from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import PackedRows, Sample, pack_samples
-from engine.trainer.publish import PolicyPublisher
+from engine.trainer.publish import AdapterPublisher, PolicyPublisher
 from engine.trainer.rollouts import samples_from_rollouts, wait_for_rollouts
 from engine.trainer.schedule import build_scheduler
 from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
 from engine.watchdog import register_stack_dump
+from storage.checkpoints import is_adapter, load_checkpoint_weights
 from storage.commit import committed_steps, delete_step
 from storage.errors import CorruptObjectError
 from storage.layout import RunLayout, Stage
@@ -183,6 +184,26 @@ class Trainer:
             log.info("%s step %d %s", self.stage, step, json.dumps(shown, sort_keys=True))
 
 
+def _initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | None]:
+    """(the model to load, the adapter to load into it) for `init_checkpoint` `folder`: a
+    whole model, or a LoRA adapter on `trainer.model` (a LoRA SFT's result)."""
+    if not is_adapter(folder):
+        if config.lora is not None:
+            raise ValueError(
+                f"trainer.init_checkpoint {folder} holds whole weights, but trainer.lora trains "
+                "adapters on trainer.model: start from an adapter (a LoRA SFT) or from no "
+                "checkpoint"
+            )
+        return str(folder), None
+    if config.lora is None:
+        raise ValueError(
+            f"trainer.init_checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
+            "training it"
+        )
+    assert config.model is not None
+    return config.model, folder
+
+
 def build_trainer(
     config: PrimeflowConfig,
     stage: Stage,
@@ -202,15 +223,19 @@ def build_trainer(
         compile=trainer_config.compile,
         trust_remote_code=config.model.trust_remote_code,
         revision=config.model.revision,
+        lora=trainer_config.lora,
     )
-    weights = trainer_config.model
+    weights, adapter = trainer_config.model, None
     if trainer_config.init_checkpoint is not None:
-        weights = str(
-            local_checkpoint(trainer_config.init_checkpoint, default_cache_dir(), config.storage)
+        folder = local_checkpoint(
+            trainer_config.init_checkpoint, default_cache_dir(), config.storage
         )
+        weights, adapter = _initial_weights(trainer_config, folder)
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
+    if adapter is not None:
+        load_adapter(policy, load_checkpoint_weights(adapter))
     on_gpu = dist.device.type == "cuda"
     ctx = StepContext(
         policy=policy,
@@ -309,7 +334,8 @@ def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
     version `resumed_at` itself is published when it is not there (version 0 is the starting
     weights), so the pool can always go back to where this lineage begins.
     """
-    publisher = PolicyPublisher(
+    publishing = PolicyPublisher if trainer.ctx.policy.lora is None else AdapterPublisher
+    publisher = publishing(
         trainer.store,
         trainer.ctx.policy,
         trainer.optimizer,

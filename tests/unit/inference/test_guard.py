@@ -20,7 +20,10 @@ def ok(request: Request) -> PlainTextResponse:
 
 def client_from(host: str, monkeypatch: pytest.MonkeyPatch) -> TestClient:
     monkeypatch.setenv("VLLM_API_KEY", KEY)
-    paths = ["/collective_rpc", "/pause", "/v1/completions", "/health", "/tokenize"]
+    paths = [
+        "/collective_rpc", "/pause", "/v1/completions", "/health", "/tokenize",
+        "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    ]  # fmt: skip
     app = Starlette(routes=[Route(path, ok, methods=["GET", "POST"]) for path in paths])
     app.add_middleware(ControlRouteGuard)
     return TestClient(app, client=(host, 40000))
@@ -34,6 +37,7 @@ def test_loopback_with_key_reaches_control_routes(
     headers = {"Authorization": f"Bearer {KEY}"}
     assert client.post("/collective_rpc", headers=headers).status_code == 200
     assert client.post("/pause", headers=headers).status_code == 200
+    assert client.post("/v1/load_lora_adapter", headers=headers).status_code == 200
 
 
 def test_loopback_without_the_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,6 +54,9 @@ def test_other_hosts_never_reach_control_routes(host: str, monkeypatch: pytest.M
     headers = {"Authorization": f"Bearer {KEY}"}
     assert client.post("/collective_rpc", headers=headers).status_code == 403
     assert client.post("/pause", headers=headers).status_code == 403
+    # Under /v1/ but control: loading an adapter reads any path the caller names.
+    assert client.post("/v1/load_lora_adapter", headers=headers).status_code == 403
+    assert client.post("/v1/unload_lora_adapter", headers=headers).status_code == 403
 
 
 def test_public_routes_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
