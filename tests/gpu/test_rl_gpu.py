@@ -53,7 +53,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> None:
+def run_rl_on_one_gpu(tmp_path: Path, name: str, steps: int, *flags: str) -> ObjectStore:
+    """`primeflow rl` on the one-GPU recipe (every reload verified) against a Prefect server
+    of its own; the run's root store once it succeeded."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(
         PRIMEFLOW_HOME=str(tmp_path / "home"),
@@ -64,10 +66,11 @@ def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> N
     args = [arg for path in CONFIGS for arg in ("@", str(path))]
     args += [
         "--model.name", "primeflow/qwen3-0.6b-body",
-        "--run.name", "gpu-rl",
+        "--run.name", name,
         "--storage.uri", f"file://{tmp_path / 'runs'}",
-        "--max-steps", str(STEPS),
+        "--max-steps", str(steps),
         "--inference.verify-reloads",
+        *flags,
     ]  # fmt: skip
     started = primeflow("server", "start", "--port", str(free_port()), env=env, timeout=120)
     assert started.returncode == 0, started.stderr
@@ -76,8 +79,11 @@ def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> N
     finally:
         primeflow("server", "stop", env=env, timeout=60)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return ObjectStore(f"file://{tmp_path / 'runs'}/{name}")
 
-    store = ObjectStore(f"file://{tmp_path / 'runs'}/gpu-rl")
+
+def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> None:
+    store = run_rl_on_one_gpu(tmp_path, "gpu-rl", STEPS)
     # Every RL step committed once, verified against its marker. A group launched within the
     # async bound may land in a later batch (issue 16), its oldest token at most
     # max_off_policy_steps (8) behind; never from a version the trainer had not made yet. Each

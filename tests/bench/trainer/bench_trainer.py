@@ -3,6 +3,7 @@
     python -m tests.bench.trainer.bench_trainer                       # one GPU, all variants
     torchrun --nproc-per-node 2 -m tests.bench.trainer.bench_trainer --variants primeflow
     python -m tests.bench.trainer.bench_trainer --shape 1.7b --variants primeflow
+    python -m tests.bench.trainer.bench_trainer --variants primeflow,primeflow-lora   # LoRA
 
 Every variant trains on 2 rows × 8192 tokens per GPU per step in bf16, after warm-up steps,
 each in a fresh process (so no variant reuses another's compiled code or memory pool).
@@ -43,7 +44,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from engine.config.trainer import ConstantSchedulerConfig, OptimizerConfig
+from engine.config.trainer import ConstantSchedulerConfig, LoraConfig, OptimizerConfig
 from engine.trainer import attention as attention_module
 from engine.trainer import step as step_module
 from engine.trainer.batching import micro_batches, rank_share
@@ -151,9 +152,10 @@ def primeflow(
     compile: bool,
     packed: bool,
     backend: str | None = None,
+    lora: LoraConfig | None = None,
 ) -> dict[str, float]:
     """The trainer's step on this rank's rows; metrics are over all ranks."""
-    options = ModelOptions(compute_dtype=torch.bfloat16, compile=compile)
+    options = ModelOptions(compute_dtype=torch.bfloat16, compile=compile, lora=lora)
     causal_lm = causal_lm_from_config(config)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
@@ -219,6 +221,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "primeflow-flash": {"compile": True, "packed": False, "backend": "FLASH_ATTENTION"},
     "primeflow-eager": {"compile": False, "packed": False},
     "primeflow-packed": {"compile": True, "packed": True},
+    # LoRA rank 16 on every projection (its MFU still counts 6N: the base's weight gradients it
+    # skips are what it saves).
+    "primeflow-lora": {"compile": True, "packed": False, "lora": LoraConfig(rank=16, alpha=32.0)},
 }
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -72,9 +73,14 @@ def _leaf_flags(model: type, prefix: str = "") -> set[str]:
     union_paths = union_field_paths(model)
     for name, info in model.model_fields.items():
         path = f"{prefix}{name}"
-        nested = getattr(info.annotation, "model_fields", None)
+        # An optional section (`trainer.lora: LoraConfig | None`) shows its own fields.
+        args = get_args(info.annotation)
+        options = [arg for arg in args if arg is not type(None)]
+        optional = type(None) in args and len(options) == 1
+        annotation = options[0] if optional else info.annotation
+        nested = getattr(annotation, "model_fields", None)
         if nested is not None and path not in union_paths:
-            flags |= _leaf_flags(info.annotation, f"{path}.")
+            flags |= _leaf_flags(annotation, f"{path}.")
         elif path not in union_paths:
             flags.add("--" + path.replace("_", "-"))
     return flags
