@@ -295,13 +295,15 @@ class PolicyPublisher:
         write_checkpoint(
             self.store,
             step,
-            weights=weights,
-            config=self.policy.config.to_dict(),
-            files=self.files,
             parent=RunLayout.POLICIES,
             meta={**self._meta(uid), "kind": FULL},
+            **self._folder(weights),
         )
         self._prune()
+
+    def _folder(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """What a full version's folder holds: a Hugging Face model folder."""
+        return {"weights": weights, "config": self.policy.config.to_dict(), "files": self.files}
 
     def _write_full_shard(
         self, step: int, uid: str, weights: dict[str, torch.Tensor], fence: Fence
@@ -401,7 +403,7 @@ class AdapterPublisher(PolicyPublisher):
         fence.guard(self.optimizer)
         if self.dist_info.is_main:
             self._writes.start(
-                f"publish-{step}", functools.partial(self._write_adapter, step, uid, weights, fence)
+                f"publish-{step}", functools.partial(self._write_full, step, uid, weights, fence)
             )
         return {
             "publish_wait_seconds": waited,
@@ -410,17 +412,9 @@ class AdapterPublisher(PolicyPublisher):
             "policy_bytes": float(sum(self._sizes.values()) * self.dtype.itemsize),
         }
 
-    def _write_adapter(
-        self, step: int, uid: str, weights: dict[str, torch.Tensor], fence: Fence
-    ) -> None:
-        fence.wait()
-        write_checkpoint(
-            self.store,
-            step,
-            weights=published(weights),
-            config=self._adapter,
-            parent=RunLayout.POLICIES,
-            meta={**self._meta(uid), "kind": FULL, "adapter": True},
-            adapter=True,
-        )
-        self._prune()
+    def _meta(self, uid: str) -> dict[str, Any]:
+        return {**super()._meta(uid), "adapter": True}
+
+    def _folder(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """PEFT's adapter folder (no tokenizer files: vLLM serves the base's)."""
+        return {"weights": published(weights), "config": self._adapter, "adapter": True}
