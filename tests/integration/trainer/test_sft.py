@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine.config import PrimeflowConfig
+from engine.config.trainer import LoraConfig
 from engine.run import run_store as open_run_store
 from engine.run import stage_store
 from engine.trainer.checkpoint import latest_checkpoint
 from engine.trainer.worker import run_stage
-from storage.commit import verify_step
+from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
+from storage.commit import committed_steps, read_commit, verify_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
+from tests.integration.trainer.conftest import make_config, write_steps
 
 
 def local_run_root(tmp_path: Path) -> Path:
@@ -91,3 +96,39 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     assert latest_checkpoint(sft) == 12
     assert sft.list("checkpoints") == ["step_000010", "step_000012"]
     verify_step(sft, RunLayout.checkpoint_dir(10))
+
+
+def test_lora_sft_learns_and_rl_goes_on_from_its_adapter(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A LoRA SFT commits adapters only, learns, and an RL stage started from its result
+    trains that very adapter on (its version 0 is the SFT adapter, bit for bit)."""
+    write_data(tmp_path / "data.jsonl", 200)
+    lora = {"rank": 8, "alpha": 16.0}
+    config = sft_config(tmp_path, tiny_model_dir, 20)
+    config = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"lora": LoraConfig(**lora)})}
+    )
+    run_stage(config, "sft")
+    run = open_run_store(config)
+    evals = [line["eval_loss"] for line in read_metrics(run, "sft") if "eval_loss" in line]
+    assert evals[-1] < 0.9 * evals[0], evals
+    sft = stage_store(run, "sft")
+    final = read_commit(sft, RunLayout.checkpoint_dir(20))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(final.files)
+    assert not any(name.startswith("model") for name in final.files)
+
+    rl = make_config(
+        tmp_path, tiny_model_dir, "sft", max_steps=2,
+        trainer={"lora": lora, "init_checkpoint": sft.url(RunLayout.checkpoint_dir(20))},
+    )  # fmt: skip
+    write_steps(rl, range(1, 3))
+    run_stage(rl, "rl")
+    with tempfile.TemporaryDirectory() as tmp:
+        start = load_checkpoint_weights(fetch_checkpoint(sft, 20, Path(tmp) / "sft"))
+        version0 = load_checkpoint_weights(
+            fetch_checkpoint(run, 0, Path(tmp) / "v0", parent=RunLayout.POLICIES)
+        )
+    assert version0.keys() == start.keys()
+    assert all(torch.equal(version0[name], start[name]) for name in start)
+    assert committed_steps(run, RunLayout.POLICIES)[-1] == 2
