@@ -15,8 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig
@@ -24,13 +22,11 @@ from engine.config.trainer import LoraConfig
 from engine.inference.pool import InferencePool
 from engine.run import open_run
 from engine.stages import run_rl
-from engine.trainer.lora import adapter_config, apply_lora, published
-from storage.checkpoints import write_checkpoint
 from storage.commit import committed_steps, read_commit
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.shards import read_rollouts
-from storage.store import ObjectStore
+from tests.integration.adapters import random_adapter
 from tests.integration.orchestrator.conftest import make_config, tiny_model  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -50,23 +46,6 @@ def first_token_logprob(pool: InferencePool, model: str) -> float:
     )
     response.raise_for_status()
     return response.json()["choices"][0]["logprobs"]["token_logprobs"][0]
-
-
-def random_adapter(model: Path, lora: LoraConfig, root: Path) -> str:
-    """A committed adapter on `model` whose B is random (PEFT starts it at 0): its URI."""
-    causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    apply_lora(causal_lm, lora)
-    torch.manual_seed(0)
-    tensors = {}
-    for name, param in causal_lm.named_parameters():
-        if ".lora_B." in name:
-            param.data.normal_(std=0.2)
-        if param.requires_grad:
-            tensors[name] = param.detach()
-    store = ObjectStore(f"file://{root}")
-    config = adapter_config(lora, str(model))
-    write_checkpoint(store, 0, weights=published(tensors), config=config, adapter=True)
-    return store.url(RunLayout.checkpoint_dir(0))
 
 
 def test_lora_rl_trains_publishes_and_serves_adapters_only(
