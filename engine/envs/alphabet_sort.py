@@ -85,6 +85,32 @@ def make_splits(
     return [decode(key) for key in train_keys], [decode(key) for key in eval_keys]
 
 
+def format_answer(gold: str) -> str:
+    """A turn's gold reply (what SFT teaches and what scores 1.0)."""
+    return f"<sorted>\n{gold}\n</sorted>"
+
+
+def sft_examples(
+    num_examples: int,
+    seed: int = 0,
+    num_turns: int = 2,
+    min_names: int = 2,
+    max_names: int = 3,
+) -> list[dict[str, Any]]:
+    """Whole conversations with every turn's gold reply, from the train split, for an SFT
+    warm-up (each assistant turn is trained on)."""
+    train, _ = make_splits(num_examples, 0, seed, num_turns, min_names, max_names)
+    rows = []
+    for turns in train:
+        messages: list[dict[str, str]] = []
+        for index, (names, gold) in enumerate(zip(turns, gold_lists(turns), strict=True)):
+            prompt = FIRST_PROMPT if index == 0 else NEXT_PROMPT
+            messages.append({"role": "user", "content": prompt.format(names=", ".join(names))})
+            messages.append({"role": "assistant", "content": format_answer(gold)})
+        rows.append({"messages": messages})
+    return rows
+
+
 def _replies(completion: Any) -> list[str]:
     return [
         message.get("content") or "" for message in completion if message.get("role") == "assistant"

@@ -60,6 +60,18 @@ def test_alphabet_sort_rewards_each_turn_against_the_growing_sorted_list() -> No
     assert alphabet_sort.turn_similarities(["Al Zoe", right[1]], turns) == [0.0, 1.0]
 
 
+def test_alphabet_sort_sft_examples_are_whole_gold_conversations_on_the_train_split() -> None:
+    rows = alphabet_sort.sft_examples(num_examples=50, seed=3, num_turns=3)
+    train, held_out = alphabet_sort.make_splits(50, 20, 3, num_turns=3, min_names=2, max_names=3)
+    for row, turns in zip(rows, train, strict=True):
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"] * 3
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert alphabet_sort.turn_similarities(replies, turns) == [1.0, 1.0, 1.0]
+        assert all(", ".join(names) in messages[2 * i]["content"] for i, names in enumerate(turns))
+    assert not {str(t) for t in train} & {str(t) for t in held_out}
+
+
 def test_alphabet_sort_examples_use_distinct_names_and_disjoint_splits() -> None:
     train, held_out = alphabet_sort.make_splits(200, 20, 0, num_turns=3, min_names=2, max_names=3)
     assert not {str(e) for e in train} & {str(e) for e in held_out}

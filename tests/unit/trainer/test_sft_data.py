@@ -123,3 +123,12 @@ def test_missing_env_and_long_rows_are_clear_errors(tokenizer, tmp_path: Path) -
         load_sft_dataset(config, tokenizer, seq_len=64, seed=0, allow_truncation=False)
     data = load_sft_dataset(config, tokenizer, seq_len=64, seed=0, allow_truncation=True)
     assert len(data.train[0]) == 64
+
+
+def test_the_built_in_alphabet_sort_source_trains_every_assistant_turn(tokenizer) -> None:
+    config = SftDataConfig(env="alphabet-sort", env_args={"num_turns": 2}, num_examples=20)
+    data = load_sft_dataset(config, tokenizer, seq_len=512, seed=0, allow_truncation=False)
+    sample = data.train[0]
+    trained = tokenizer.decode(sample.token_ids[sample.loss_mask].tolist())
+    assert trained.count("<sorted>") == 2 and trained.count("<|im_end|>") == 2
+    assert "Sort these names" not in trained
