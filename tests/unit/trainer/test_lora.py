@@ -91,12 +91,18 @@ def test_names_round_trip_to_peft_s_layout() -> None:
         published_name("model.layers.0.self_attn.q_proj.base_layer.weight")
 
 
-def test_a_published_adapter_is_peft_s_folder_with_the_trainer_s_bits(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+@pytest.fixture
+def trained(tiny_model_dir: Path, tmp_path: Path) -> tuple:
+    """A LoRA policy two steps in, with its optimizer and schedule, and a run store."""
     dist, policy, optimizer, scheduler = build(tiny_model_dir)
     train(dist, policy, optimizer, scheduler)
-    store = ObjectStore(f"file://{tmp_path}/run")
+    return dist, policy, optimizer, scheduler, ObjectStore(f"file://{tmp_path}/run")
+
+
+def test_a_published_adapter_is_peft_s_folder_with_the_trainer_s_bits(
+    trained: tuple, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    dist, policy, optimizer, _, store = trained
     publisher = AdapterPublisher(
         store, policy, optimizer, dist, config=PolicyConfig(), files={}, lineage=0
     )
@@ -123,11 +129,9 @@ def test_a_published_adapter_is_peft_s_folder_with_the_trainer_s_bits(
 
 
 def test_a_resume_checkpoint_restores_adapters_and_optimizer_exactly(
-    tiny_model_dir: Path, tmp_path: Path
+    trained: tuple, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    dist, policy, optimizer, scheduler = build(tiny_model_dir)
-    train(dist, policy, optimizer, scheduler)
-    store = ObjectStore(f"file://{tmp_path}/run")
+    dist, policy, optimizer, scheduler, store = trained
     writer = CheckpointWriter(
         store, policy, optimizer, scheduler, dist, files={}, config=CheckpointConfig()
     )
