@@ -271,8 +271,14 @@ def test_requests_in_flight_keep_the_oldest_version(
             # 64 x 600 decode steps: many seconds of work, even on a fast idle machine.
             busy = (running * 64)[:64]
             busy_run = SamplingConfig(temperature=0, max_tokens=600)
+            earlier = await asyncio.to_thread(requests_received, base_pool)
             before = asyncio.create_task(client.generate_batch(busy, busy_run))
-            await asyncio.sleep(0.05)  # let the requests reach the server
+            # Every request must have reached the server (so the client stamped it) before
+            # the reload: on a loaded machine sending 64 takes longer than any fixed sleep.
+            deadline = asyncio.get_running_loop().time() + 60
+            while (seen := await asyncio.to_thread(requests_received, base_pool)) - earlier < 64:
+                assert asyncio.get_running_loop().time() < deadline, f"{seen - earlier} arrived"
+                await asyncio.sleep(0.02)
             await asyncio.to_thread(base_pool.reload, weights.other)
             in_flight = not before.done()
             after = await client.generate(running[0], SamplingConfig(max_tokens=4))
@@ -286,6 +292,16 @@ def test_requests_in_flight_keep_the_oldest_version(
     # Each token is the policy's that served it: base before the swap, the new weights after.
     switched = [switch_point(weights, s) for (s,) in before]
     assert any(point < len(s.logprobs) for point, (s,) in zip(switched, before, strict=True))
+
+
+def requests_received(pool: InferencePool) -> int:
+    """Requests the (one) server has received so far, running, waiting or finished (from its
+    Prometheus metrics)."""
+    text = httpx.get(f"{pool.endpoints[0].base_url}/metrics", timeout=30).text
+    kinds = ("vllm:num_requests_running{", "vllm:num_requests_waiting{")
+    kinds += ("vllm:request_success_total{",)
+    lines = [line for line in text.splitlines() if line.startswith(kinds)]
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
 
 
 def switch_point(weights: Weights, sample: Sample, tol: float = 1e-3) -> int:
