@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, SecretStr, model_validator
 
 from engine.config.base import BaseConfig
+from engine.config.trainer import LORA_TARGETS
 from engine.placement import parse_cores
 
 #: The adapter ranks vLLM can serve (its `--max-lora-rank` choices).
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+LORA_RANKS: tuple[int, ...] = get_args(LoraRank)
 
 
 class LoraServingConfig(BaseConfig):
@@ -18,7 +20,7 @@ class LoraServingConfig(BaseConfig):
     Filled from `trainer.lora` when a LoRA run leaves it unset."""
 
     max_rank: Annotated[
-        Literal[1, 8, 16, 32, 64, 128, 256, 320, 512],
+        LoraRank,
         Field(description="Largest adapter rank served (vLLM's --max-lora-rank)."),
     ] = 16
     max_loras: Annotated[
@@ -35,7 +37,7 @@ class LoraServingConfig(BaseConfig):
     ] = 4
     target_modules: Annotated[
         list[str], Field(min_length=1, description="Layers that may carry an adapter.")
-    ] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ] = LORA_TARGETS
 
     @model_validator(mode="after")
     def _cpu_holds_the_batch(self) -> LoraServingConfig:
