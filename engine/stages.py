@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import PrimeflowConfig
+from engine.inference.attached import ServingPool
 from engine.inference.on_demand import PoolOnDemand
-from engine.inference.pool import InferencePool
 from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
 from engine.results import EvalResult, StageResult
 from engine.run import Run
+from engine.tenancy import ENDED, PoolRecord, TenantFiles, misfits, pool_dir
 from engine.trainer.pool import TrainerPool
 from engine.watchdog import ProgressClock, capture_stacks
 from storage.checkpoints import require_committed
@@ -137,6 +138,17 @@ class _Trainer:
         self.pool.stop()
         forget_group(self.logs, f"trainer-{self.stage}")
 
+    def poll(self) -> int | None:
+        """The trainer's exit status, None while it trains."""
+        return self.pool.poll()
+
+    def wait(self) -> int:
+        """Wait for the trainer to end (failing the stage if it hangs); its exit status."""
+        while (code := self.poll()) is None:
+            time.sleep(POLL_S)
+            self.check()
+        return code
+
     def check(self) -> None:
         """Raise `StageHungError` once the stage has been silent too long, its stacks saved
         and the trainer stopped (a stopped rank ignores SIGTERM: only SIGKILL ends it)."""
@@ -164,25 +176,103 @@ class _Trainer:
         )
 
 
+class _SharedTrainer(_Trainer):
+    """A tenant's side of the shared trainer (`engine.trainer.tenants`): its request, the
+    lease it renews while it lives, the trainer's answers; the tenant withdraws however the
+    stage ends, and the pools go on."""
+
+    def __init__(self, config: PrimeflowConfig, run: Run, stage: Stage, logger: Logger) -> None:
+        assert stage == "rl" and config.pools.name is not None
+        self.config, self.stage, self.logger = config, stage, logger
+        self.logs = run.logs
+        self.progress = _Progress(
+            run.store, (stage, "orchestrator"), ProgressClock(config.watchdog)
+        )
+        self.pools = config.pools.name
+        self.files = TenantFiles(self.pools, config.run.name)
+        self.attempt = ""
+        self._beating = threading.Event()
+        self._heart: threading.Thread | None = None
+        self._said: dict[str, Any] | None = None
+
+    def __enter__(self) -> _SharedTrainer:
+        record = PoolRecord.read(self.pools)
+        problems = misfits(record, self.config)
+        if problems:
+            raise ValueError(
+                f"this run cannot train on pools {self.pools!r}: {'; '.join(problems)}"
+            )
+        self.attempt = self.files.request(self.config)
+        self._heart = threading.Thread(target=self._renew, name="tenant-lease", daemon=True)
+        self._heart.start()
+        self.logger.info(
+            "rl: training on the shared pools %r (tenant %s, attempt %s)",
+            self.pools,
+            self.config.run.name,
+            self.attempt[:8],
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._beating.set()
+        if self._heart is not None:
+            self._heart.join()
+        self.files.withdraw(self.attempt)
+
+    def _renew(self) -> None:
+        while not self._beating.wait(self.config.pools.heartbeat_s):
+            self.files.renew(self.attempt)
+
+    def poll(self) -> int | None:
+        """0 once the shared trainer committed the last step; a failure raises (`check`)."""
+        self._said = self.files.state(self.attempt)
+        status = self._said["status"] if self._said else None
+        if status == "finished":
+            return 0
+        if status in ENDED:
+            raise self.failure(1)
+        return None
+
+    def check(self) -> None:
+        """Fail the stage when the pools are gone or the stage went silent too long."""
+        PoolRecord.read(self.pools)
+        self.progress.poll()
+        stall = self.progress.clock.stall()
+        if stall is not None:
+            log_path = pool_dir(self.pools) / "logs" / "trainer-tenants.log"
+            raise StageHungError(
+                f"the rl stage hung on the shared pools {self.pools!r}: "
+                f"{stall.describe(self.config.watchdog)}; the shared trainer's log is {log_path}",
+                log_path,
+            )
+
+    def failure(self, code: int) -> StageFailedError:
+        said = self._said or {}
+        return StageFailedError(
+            f"the shared trainer of pools {self.pools!r} {said.get('status', 'stopped')} this "
+            f"run: {said.get('error', f'status {code}')}"
+        )
+
+
 def run_sft(config: PrimeflowConfig, run: Run, logger: Logger = log) -> StageResult:
     """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
     started = time.perf_counter()
     with _Trainer(config, run, "sft", logger) as trainer:
-        while (code := trainer.pool.poll()) is None:
-            time.sleep(POLL_S)
-            trainer.check()
+        code = trainer.wait()
     if code != 0:
         raise trainer.failure(code)
     return _done(run, "sft", started, logger)
 
 
 def run_rl(
-    config: PrimeflowConfig, run: Run, pool: InferencePool, logger: Logger = log
+    config: PrimeflowConfig, run: Run, pool: ServingPool, logger: Logger = log
 ) -> StageResult:
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
     The orchestrator runs on a thread so that a trainer that died is noticed: the
-    orchestrator would otherwise wait forever for the policy the async bound needs.
+    orchestrator would otherwise wait forever for the policy the async bound needs. A tenant
+    of shared pools (`pools.name`) trains on the shared trainer instead of a pool of its own
+    (`_SharedTrainer`), and `pool` is its view of the shared inference pool.
     """
     started = time.perf_counter()
     failure: list[BaseException] = []
@@ -194,16 +284,17 @@ def run_rl(
         except BaseException as exc:
             failure.append(exc)
 
-    with _Trainer(config, run, "rl", logger) as trainer:
+    side = _Trainer if config.pools.name is None else _SharedTrainer
+    with side(config, run, "rl", logger) as trainer:
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
         orchestrator.start()
         try:
-            while orchestrator.is_alive() and trainer.pool.poll() is None:
+            while orchestrator.is_alive() and trainer.poll() is None:
                 orchestrator.join(timeout=POLL_S)
                 trainer.check()
             if failure:
                 raise failure[0]
-            code = trainer.pool.wait()
+            code = trainer.wait()
         finally:
             _stop_orchestrator(orchestrator, stop, logger)
     if code != 0:

@@ -112,6 +112,12 @@ def _deploy(argv: list[str], dry_run: bool) -> int:
     return deploy_main(argv, dry_run)
 
 
+def _pools(argv: list[str], dry_run: bool) -> int:
+    from flows.pools import main as pools_main
+
+    return pools_main(argv, dry_run)
+
+
 def _server(argv: list[str], dry_run: bool) -> int:
     from flows import server
 
@@ -158,6 +164,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "inference": Command("run an inference pool in the foreground", run=_inference),
     "trainer": Command("run the RL trainer pool in the foreground", run=_trainer),
+    "pools": Command(
+        "up | down | status shared pools that train many LoRA runs at once", run_plain=_pools
+    ),
     "server": Command("start | stop | status the local Prefect server", run_plain=_server),
     "deploy": Command("create the work pool and the deployments", run_plain=_deploy),
     "reproduce": Command("re-run a run from its manifest URI", run_plain=_reproduce),

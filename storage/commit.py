@@ -337,6 +337,11 @@ def _step_folders(store: ObjectStore, parent: str) -> list[tuple[int, str]]:
     return sorted((step, name) for step, name in steps if step is not None)
 
 
+def is_committed(store: ObjectStore, step_dir: str) -> bool:
+    """Whether `step_dir`'s marker is there (one existence check, nothing verified)."""
+    return store.exists(join(step_dir, MARKER))
+
+
 def committed_steps(store: ObjectStore, parent: str) -> list[int]:
     """Steps below `parent` (e.g. `rollouts`) that have a marker, ascending."""
     return [

@@ -1,5 +1,7 @@
 """Pool lifecycle tasks: the inference pool starts once per flow run, when a stage first needs
-it (`engine.inference.on_demand`), and stops on every exit.
+it (`engine.inference.on_demand`), and stops on every exit. A tenant of shared pools
+(`pools.name`) attaches to their inference pool instead, and detaches (unloading its own
+adapters) on every exit; its RL stage waits for a slot in the pools' Prefect concurrency limit.
 
 Pool objects hold live processes, so these tasks keep their results in memory (never persisted,
 never cached); what Prefect records is the endpoint count and the policy version.
@@ -13,12 +15,20 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.concurrency.sync import concurrency
 
 from engine.config import PrimeflowConfig
+from engine.inference.attached import AttachedPool
 from engine.inference.on_demand import PoolOnDemand
 from engine.inference.pool import InferencePool
 from engine.process_groups import forget_group, record_group
 from engine.run import Run
+from engine.shared_pools import SharedPools
+from engine.tenancy import PoolRecord
+
+#: Seconds a tenant slot's lease lasts unrenewed (Prefect's shortest).
+LEASE_S = 60.0
 
 
 @task(name="start-inference-pool", cache_policy=NO_CACHE, persist_result=False)
@@ -40,13 +50,83 @@ def stop_inference_pool(pool: InferencePool, logs: Path) -> None:
         forget_group(logs, name)
 
 
+@task(name="attach-inference-pool", cache_policy=NO_CACHE, persist_result=False)
+def attach_inference_pool(config: PrimeflowConfig) -> AttachedPool:
+    """This tenant's view of the shared inference pool `pools.name` (its own adapter names)."""
+    assert config.pools.name is not None
+    record = PoolRecord.read(config.pools.name)
+    get_run_logger().info(
+        "attached to the shared inference pool %r: %s", record.name, ", ".join(record.servers)
+    )
+    return AttachedPool(
+        config.run.name,
+        model=record.model,
+        urls=record.servers,
+        api_key=record.api_key,
+        config=config.inference,
+        storage=config.storage,
+    )
+
+
 @contextmanager
 def inference_pool(config: PrimeflowConfig, run: Run) -> Iterator[PoolOnDemand]:
-    """The run's pool for the length of a `with` block, started on demand; stopped however the
-    block ends, if it started."""
+    """The run's pool for the length of a `with` block, started (or attached to) on demand;
+    stopped (or detached from) however the block ends, if it started."""
+    if config.pools.name is not None:
+        shared = PoolOnDemand(lambda: attach_inference_pool(config))
+        try:
+            yield shared
+        finally:
+            if isinstance(attached := shared.started, AttachedPool):
+                attached.close()
+        return
     pools = PoolOnDemand(lambda: start_inference_pool(config, run.logs))
     try:
         yield pools
     finally:
-        if (pool := pools.started) is not None:
+        if isinstance(pool := pools.started, InferencePool):
             stop_inference_pool(pool, run.logs)
+
+
+def limit_name(pools: str) -> str:
+    """The Prefect global concurrency limit that admits the tenants of shared pools `pools`."""
+    return f"primeflow-pool-{pools}"
+
+
+@contextmanager
+def tenant_slot(config: PrimeflowConfig) -> Iterator[None]:
+    """Hold one slot of the shared pools' concurrency limit (waiting, visibly, while all are
+    taken); nothing for a run with pools of its own. The slot's lease lapses a minute after
+    a killed run stops renewing it."""
+    if config.pools.name is None:
+        yield
+        return
+    name = limit_name(config.pools.name)
+    get_run_logger().info("rl: waiting for a tenant slot of %s", name)
+    with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):
+        yield
+
+
+@task(name="start-shared-pools", cache_policy=NO_CACHE, persist_result=False)
+def start_shared_pools(config: PrimeflowConfig) -> SharedPools:
+    """Start the shared pools and open their Prefect concurrency limit to `pools.tenants`."""
+    assert config.pools.name is not None
+    pools = SharedPools(config, get_run_logger())
+    pools.start()
+    name = limit_name(config.pools.name)
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, config.pools.tenants)
+    get_run_logger().info(
+        "shared pools %r up: %d tenant slots (concurrency limit %s), servers %s, logs in %s",
+        config.pools.name,
+        config.pools.tenants,
+        name,
+        ", ".join(e.base_url for e in pools.inference.endpoints),
+        pools.logs,
+    )
+    return pools
+
+
+@task(name="stop-shared-pools", cache_policy=NO_CACHE, persist_result=False)
+def stop_shared_pools(pools: SharedPools) -> None:
+    pools.stop()

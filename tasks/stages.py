@@ -18,6 +18,7 @@ from engine.run import Run
 from engine.stages import EvalStep, StageHungError, finished, run_eval, run_rl, run_sft, total_steps
 from engine.wandb_sink import WandbSink
 from storage.layout import RunLayout, Stage
+from tasks.pools import tenant_slot
 from tasks.reporting import StageMonitor, publish_hang_report
 
 
@@ -70,12 +71,13 @@ def rl_loop(
     retry never runs beside the previous attempt's."""
     if (done := _already_done(config, run, "rl")) is not None:
         return done
-    pool = pools.get()
-    with _monitor(config, run, "rl", sink):
-        try:
-            return run_rl(config, run, pool, get_run_logger())
-        except StageHungError as exc:
-            raise _reported(config, "rl", exc) from None
+    with tenant_slot(config):
+        pool = pools.get()
+        with _monitor(config, run, "rl", sink):
+            try:
+                return run_rl(config, run, pool, get_run_logger())
+            except StageHungError as exc:
+                raise _reported(config, "rl", exc) from None
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)

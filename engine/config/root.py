@@ -11,6 +11,7 @@ from engine.config.evaluation import EvalConfig
 from engine.config.inference import LORA_RANKS, InferenceConfig, LoraServingConfig
 from engine.config.model import ModelConfig
 from engine.config.orchestrator import OrchestratorConfig
+from engine.config.pools import SharedPoolsConfig
 from engine.config.run import RunConfig, StorageConfig
 from engine.config.sft import SftConfig
 from engine.config.trainer import TrainerConfig
@@ -85,6 +86,7 @@ class PrimeflowConfig(BaseConfig):
     sft: SftConfig = SftConfig()
     wandb: WandbConfig = WandbConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    pools: SharedPoolsConfig = SharedPoolsConfig()
 
     @model_validator(mode="after")
     def _fill_shared_fields(self) -> PrimeflowConfig:
@@ -111,7 +113,14 @@ class PrimeflowConfig(BaseConfig):
         serving = self.inference.lora
         if serving is None:
             rank = next(r for r in LORA_RANKS if r >= lora.rank)
-            serving = LoraServingConfig(max_rank=rank, target_modules=list(lora.target_modules))
+            # Shared pools: each tenant's adapter and, during a swap, its previous one.
+            loras = 2 * self.pools.tenants if self.pools.name else 2
+            serving = LoraServingConfig(
+                max_rank=rank,
+                max_loras=loras,
+                max_cpu_loras=2 * loras,
+                target_modules=list(lora.target_modules),
+            )
             _fill(self, "inference.lora", serving)
         if lora.rank > serving.max_rank:
             raise ValueError(
@@ -122,5 +131,23 @@ class PrimeflowConfig(BaseConfig):
         if unserved:
             raise ValueError(
                 f"trainer.lora.target_modules {unserved} are not in inference.lora.target_modules"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tenants_train_adapters(self) -> PrimeflowConfig:
+        """Tenants share one base model in memory: only adapters can differ between them."""
+        pools = self.pools
+        if pools.name is None:
+            return self
+        if self.trainer.lora is None:
+            raise ValueError(
+                f"pools.name = {pools.name!r} shares pools between LoRA runs: set trainer.lora "
+                "(a full-weight run gets pools of its own: leave pools.name unset)"
+            )
+        if pools.heartbeat_s >= pools.lease_s:
+            raise ValueError(
+                f"pools.heartbeat_s ({pools.heartbeat_s:g}) must be shorter than pools.lease_s "
+                f"({pools.lease_s:g}), or a live tenant's lease would lapse"
             )
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from engine.config.run import StorageConfig
@@ -76,6 +77,16 @@ def version_chain(
 def fetched_dir(cache_dir: Path) -> Path:
     """Where remote checkpoints are fetched to, one folder per URI."""
     return cache_dir / "checkpoints"
+
+
+def forget_fetched(cache_dir: Path, folders: set[Path]) -> None:
+    """Delete the fetched copies among `folders` (not in-place `file://` folders) once no
+    server needs them, so a long run on remote storage does not fill the cache with every
+    version it loaded."""
+    fetched = fetched_dir(cache_dir).resolve()
+    for folder in folders:
+        if folder.resolve().parent == fetched:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _store(root: str, storage: StorageConfig | None) -> ObjectStore:

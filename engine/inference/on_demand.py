@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.inference.pool import InferencePool
+from engine.inference.attached import ServingPool
 
 
 class PoolOnDemand:
     """The pool, started by `start` on first use. A reload asked for before the start is kept
     and applied once the servers are up; `policy_version` is what they serve, or will."""
 
-    def __init__(self, start: Callable[[], InferencePool], pool: InferencePool | None = None):
+    def __init__(self, start: Callable[[], ServingPool], pool: ServingPool | None = None):
         self._start = start
         self._pool = pool
         self._pending: tuple[str, int] | None = None
 
     @property
-    def started(self) -> InferencePool | None:
+    def started(self) -> ServingPool | None:
         """The pool if it has started, else None."""
         return self._pool
 
@@ -38,7 +38,7 @@ class PoolOnDemand:
         else:
             self._pool.reload(checkpoint, version=version)
 
-    def get(self) -> InferencePool:
+    def get(self) -> ServingPool:
         """The running pool, started (and brought to the pending version) on first use."""
         if self._pool is None:
             self._pool = self._start()

@@ -10,12 +10,9 @@ started the pool dies (see `engine.inference.launch`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import re
 import secrets
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,12 +25,19 @@ import httpx
 from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
 from engine.config.run import StorageConfig
+from engine.inference.adapters import AdapterLineage
 from engine.inference.checkpoints import (
     check_compatible,
     checkpoint_step,
-    fetched_dir,
+    forget_fetched,
     local_checkpoint,
     version_chain,
+)
+from engine.inference.control import (
+    ReloadError,
+    ServedWeightsMismatchError,
+    control_client,
+    expect_ok,
 )
 from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
@@ -52,15 +56,6 @@ _COMPARE_METHOD = "primeflow_compare"
 
 class InferencePoolError(RuntimeError):
     """The pool could not start, or a server failed; the message says which and why."""
-
-
-class ReloadError(RuntimeError):
-    """A checkpoint could not be swapped in; the servers still serve the previous weights."""
-
-
-class ServedWeightsMismatchError(RuntimeError):
-    """A verified reload found served parameters that differ from the checkpoint: a bug, and
-    never retried (see `InferenceConfig.verify_reloads`)."""
 
 
 def _detect_device() -> str:
@@ -102,8 +97,8 @@ class InferencePool:
         #: workers hold a host copy of, to apply the next delta to (None: send a full one).
         self._current_chain: list[Path] = []
         self._held_uid: str | None = None
-        #: LoRA adapters the servers hold (name, folder), newest last (`_swap_adapter`).
-        self._adapters: list[tuple[str, Path]] = []
+        #: The LoRA adapters the servers hold, once an adapter version is loaded.
+        self._adapters: AdapterLineage | None = None
         # One reload at a time (fetch included): interleaved ones could mix versions across
         # servers or race for the same cache folder.
         self._reload_lock = threading.Lock()
@@ -152,6 +147,14 @@ class InferencePool:
         """The oldest policy any server serves (all equal between reloads)."""
         return min((e.policy_version for e in self.endpoints), default=0)
 
+    def exited(self) -> dict[str, int]:
+        """`inference-<i>` → exit status of each server that is no longer running."""
+        return {
+            f"inference-{s.spec.index}": code
+            for s in self._servers
+            if (code := s.process.poll()) is not None
+        }
+
     def start(self) -> None:
         """Start every server and wait until all are ready; on any failure stop them all."""
         if self._servers:
@@ -193,7 +196,7 @@ class InferencePool:
         if servers:
             self._write_record("stopped", servers)
         self.endpoints = []
-        self._current_chain, self._held_uid = [], None
+        self._current_chain, self._held_uid, self._adapters = [], None, None
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -332,63 +335,19 @@ class InferencePool:
         return folders
 
     def _swap_adapter(self, location: str, folder: Path, version: int) -> int:
-        """Serve LoRA adapter `folder` as policy `version` on every server, without a pause.
-
-        Each version is loaded under a name of its own: vLLM keys its prefix cache by adapter
-        name, so a new name can never be served KV computed under older weights, and no cache
-        reset (which would preempt every request) is needed. Requests already running finish
-        on the adapter they named. Each endpoint then names the new adapter before it reports
-        the new version, so no sample is stamped with a version newer than its weights. The
-        previous adapter stays loaded, for a request that named it just before the swap; the
-        one before it is unloaded. A failed load unloads the new name where it was loaded and
-        raises `ReloadError` with the servers on their previous adapter.
-        """
-        uid = commit_meta(folder).get("uid") or hashlib.sha256(bytes(folder.resolve())).hexdigest()
-        name = f"{self.model_name}@v{version}-{str(uid)[:8]}"
-        loaded: list[ServerProcess] = []
-        for server in self._servers:
-            try:
-                with self._control(server) as http:
-                    body = {"lora_name": name, "lora_path": str(folder.resolve())}
-                    _expect_ok(http.post("/v1/load_lora_adapter", json=body), "load_lora_adapter")
-            except (httpx.HTTPError, ReloadError) as exc:
-                self._unload_adapter(loaded, name)
-                raise ReloadError(
-                    f"loading adapter {location} failed on server {server.spec.index}: {exc}; "
-                    f"all servers still serve policy version {self.policy_version}"
-                ) from None
-            loaded.append(server)
-        for endpoint in self.endpoints:
-            endpoint.model = name
-            endpoint.policy_version = version
-        self._adapters.append((name, folder))
-        self._held_uid = str(uid)
-        if self.config.verify_reloads:
-            self._verify_adapter(name, folder)
-        retired, self._adapters = self._adapters[:-2], self._adapters[-2:]
-        for old, _ in retired:
-            self._unload_adapter(self._servers, old)
-        self._forget_fetched({f for _, f in retired} - {f for _, f in self._adapters})
-        return version
-
-    def _verify_adapter(self, name: str, folder: Path) -> None:
-        """Every server lists adapter `name` as loaded from `folder` (vLLM's `/v1/models`)."""
-        for server in self._servers:
-            with self._control(server) as http:
-                response = http.get("/v1/models")
-                _expect_ok(response, "models")
-            roots = {card["id"]: card.get("root") for card in response.json().get("data", [])}
-            if roots.get(name) != str(folder.resolve()):
-                raise ServedWeightsMismatchError(
-                    f"server {server.spec.index} does not serve adapter {name} from {folder}: "
-                    f"it lists {roots}"
-                )
-
-    def _unload_adapter(self, servers: list[ServerProcess], name: str) -> None:
-        """Unload `name` (best effort: a server that lost it has nothing to unload)."""
-        for server in servers:
-            with contextlib.suppress(httpx.HTTPError), self._control(server) as http:
-                http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        """Serve LoRA adapter `folder` as policy `version` beside the base, without a pause
+        (`engine.inference.adapters`)."""
+        if self._adapters is None:
+            self._adapters = AdapterLineage(
+                self.model_name,
+                lambda: [self._control(server) for server in self._servers],
+                self.endpoints,
+                verify=self.config.verify_reloads,
+                retire=self._forget_fetched,
+            )
+        served = self._adapters.swap(location, folder, version)
+        self._held_uid = self._adapters.held_uid
+        return served
 
     def _reload_all(self, location: str, folders: list[Path], version: int) -> int:
         """Load `folders` into every server; on any failure put the switched ones back."""
@@ -424,12 +383,7 @@ class InferencePool:
         )
 
     def _forget_fetched(self, folders: set[Path]) -> None:
-        """Delete the fetched copies (not in-place `file://` folders) no server needs any more,
-        so a long run on remote storage does not fill the cache with every version it loaded."""
-        fetched = fetched_dir(self.cache_dir).resolve()
-        for folder in folders:
-            if folder.resolve().parent == fetched:
-                shutil.rmtree(folder, ignore_errors=True)
+        forget_fetched(self.cache_dir, folders)
 
     def _try_reload(
         self, server: ServerProcess, folders: list[Path], version: int
@@ -457,7 +411,7 @@ class InferencePool:
         endpoint = self.endpoints[server.spec.index]
         with self._control(server) as http:
             pause = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-            _expect_ok(pause, "pause")
+            expect_ok(pause, "pause")
             try:
                 results = self._rpc(http, _RELOAD_METHOD, str(version), *map(str, folders))
                 _confirm_version(results, version)
@@ -473,7 +427,7 @@ class InferencePool:
         """Call the reload extension's `method` on every worker of one server; their answers."""
         body = {"method": method, "args": list(args), "timeout": self.config.reload_timeout_s}
         response = http.post("/collective_rpc", json=body)
-        _expect_ok(response, method)
+        expect_ok(response, method)
         results = response.json().get("results")
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
             raise ReloadError(f"{method} answered {response.text[:200]!r}, not one dict a worker")
@@ -507,11 +461,7 @@ class InferencePool:
 
     def _control(self, server: ServerProcess) -> httpx.Client:
         """An HTTP client for a server's control routes (loopback + key, see `guard`)."""
-        return httpx.Client(
-            base_url=server.spec.base_url,
-            headers={"Authorization": f"Bearer {self.api_key}"},
-            timeout=self.config.reload_timeout_s,
-        )
+        return control_client(server.spec.base_url, self.api_key, self.config.reload_timeout_s)
 
 
 def _confirm_version(results: list[dict[str, Any]], version: int) -> None:
@@ -524,20 +474,6 @@ def _confirm_version(results: list[dict[str, Any]], version: int) -> None:
 def _reset_kv_cache(http: httpx.Client) -> None:
     """Drop the prefix cache and the KV of paused requests (they are preempted, recomputed)."""
     response = http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
-    _expect_ok(response, "reset_prefix_cache")
+    expect_ok(response, "reset_prefix_cache")
     if response.json().get("success") is not True:
         raise ReloadError(f"reset_prefix_cache did not succeed: {response.text[:200]}")
-
-
-def _expect_ok(response: httpx.Response, what: str) -> None:
-    """Raise `ReloadError` with vLLM's own message when a control call did not succeed."""
-    if response.status_code == 200:
-        return
-    try:
-        message = response.json().get("error", response.text)
-        if isinstance(message, dict):
-            message = message.get("message", message)
-    except ValueError:
-        message = response.text
-    message = re.sub(r"\s+", " ", str(message)).strip()
-    raise ReloadError(f"{what} answered {response.status_code}: {message}")

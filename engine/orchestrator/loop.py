@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from engine.config.orchestrator import OrchestratorConfig
 from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task, TurnGenerator
-from engine.inference.pool import ServedWeightsMismatchError
+from engine.inference.control import ServedWeightsMismatchError
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, StepBatch

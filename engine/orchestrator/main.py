@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.envs import ChatTokenizer, MixEntry, TurnGenerator, load_environment
+from engine.inference.attached import ServingPool
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
 from engine.models.resolve import resolve_model
@@ -44,7 +45,7 @@ def load_tokenizer(config: PrimeflowConfig) -> Any:
 
 
 @contextlib.contextmanager
-def policy_pool(config: PrimeflowConfig, pool: InferencePool | None) -> Iterator[InferencePool]:
+def policy_pool(config: PrimeflowConfig, pool: ServingPool | None) -> Iterator[ServingPool]:
     """`pool` when given; else a pool started from `config.inference`, stopped on exit."""
     if pool is not None:
         yield pool
@@ -59,7 +60,7 @@ def mix_entries(envs: list[EnvConfig], default: SamplingConfig) -> list[MixEntry
 
 def run_orchestrator(
     config: PrimeflowConfig,
-    pool: InferencePool | None = None,
+    pool: ServingPool | None = None,
     stop: threading.Event | None = None,
     *,
     store: ObjectStore | None = None,
@@ -106,7 +107,7 @@ class EvalOutcome:
 def evaluate_policy(
     config: PrimeflowConfig,
     store: ObjectStore,
-    pool: InferencePool,
+    pool: ServingPool,
     *,
     name: str,
     stage: Stage,

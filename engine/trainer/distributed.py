@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,16 @@ def agree_sums(values: list[int], dist_info: DistInfo) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.int64, device=dist_info.device)
     dist.all_reduce(tensor)
     return [int(value) for value in tensor.tolist()]
+
+
+def from_main(value: T, dist_info: DistInfo) -> T:
+    """Rank 0's `value` on every rank (collective; other ranks' `value` is ignored): a
+    decision rank 0 takes alone, from what only it reads, that every rank then acts on."""
+    if not dist.is_initialized() or dist_info.world_size == 1:
+        return value
+    box: list[Any] = [value if dist_info.is_main else None]
+    dist.broadcast_object_list(box, src=0, device=dist_info.device)
+    return box[0]
 
 
 def shared_uid(dist_info: DistInfo) -> str:

@@ -17,12 +17,14 @@ vLLM's runtime LoRA loading reads) it is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import inject_adapter_in_model
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from engine.config.trainer import LoraConfig
@@ -60,6 +62,20 @@ def apply_lora(causal_lm: PreTrainedModel, config: LoraConfig) -> None:
     trainable = [name for name, p in causal_lm.named_parameters() if p.requires_grad]
     if not trainable or any(".lora_" not in name for name in trainable):
         raise ValueError(f"LoRA left unexpected trainable parameters: {trainable[:3]}")
+
+
+def fresh_adapter(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, Tensor]:
+    """A new adapter as PEFT initialises one (A Kaiming-uniform, B = 0, so it starts as the
+    base model), drawn from `seed` alone: a tenant of a shared trainer starts from the same
+    adapter whichever tenants trained before it. `shapes`: trainer name → full shape."""
+    generator = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for name in sorted(shapes):
+        tensor = torch.zeros(shapes[name])
+        if ".lora_A." in name:
+            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        adapter[name] = tensor
+    return adapter
 
 
 def adapter_config(config: LoraConfig, base_model: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
@@ -30,6 +31,9 @@ from engine.trainer.supervision import SUPERVISOR_ENV
 from engine.watchdog import STACKS_DIR_ENV
 from storage.layout import Stage
 
+#: What a trainer pool runs: one stage of one run, or the tenants of shared pools
+#: (`engine.trainer.tenants`).
+PoolStage = Stage | Literal["tenants"]
 #: A Python exception's summary line in a log: `package.module.SomeError: message`, after the
 #: `[rank0]: ` that torchrun puts before each line of a rank's output.
 _EXCEPTION_LINE = re.compile(
@@ -42,7 +46,7 @@ _TORCHRUN_SUMMARY = "ChildFailedError"
 _START_LINE = "=== primeflow: trainer pool started"
 
 
-def torchrun_command(config: PrimeflowConfig, stage: Stage, config_path: Path) -> list[str]:
+def torchrun_command(config: PrimeflowConfig, stage: PoolStage, config_path: Path) -> list[str]:
     """The torchrun command line for this node (standalone, or c10d rendezvous across nodes)."""
     parallel = config.trainer.parallel
     command = [
@@ -60,15 +64,16 @@ def torchrun_command(config: PrimeflowConfig, stage: Stage, config_path: Path) -
             f"--rdzv-endpoint={parallel.rdzv_endpoint}",
             f"--rdzv-id={config.run.name}",
         ]
-    command += ["-m", "engine.trainer.worker", "--config", str(config_path), "--stage", stage]
-    return command
+    if stage == "tenants":
+        return [*command, "-m", "engine.trainer.tenants", "--config", str(config_path)]
+    return [*command, "-m", "engine.trainer.worker", "--config", str(config_path), "--stage", stage]
 
 
 class TrainerPool:
     """One node's share of the trainer: a torchrun process group."""
 
     def __init__(
-        self, config: PrimeflowConfig, stage: Stage, *, log_path: Path | None = None
+        self, config: PrimeflowConfig, stage: PoolStage, *, log_path: Path | None = None
     ) -> None:
         self.config = config
         self.stage = stage

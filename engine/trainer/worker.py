@@ -22,11 +22,12 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -41,9 +42,16 @@ from engine.run import stage_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import CheckpointWriter, load_adapter, load_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
+from engine.trainer.lora import fresh_adapter, published
 from engine.trainer.loss import LossFn, build_loss, sft_loss
 from engine.trainer.metrics import flops_per_token, measure_bf16_peak
-from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
+from engine.trainer.model import (
+    ModelOptions,
+    PolicyModel,
+    build_policy,
+    compute_dtype,
+    load_causal_lm,
+)
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import PackedRows, Sample, pack_samples
 from engine.trainer.publish import AdapterPublisher, PolicyPublisher
@@ -184,7 +192,7 @@ class Trainer:
             log.info("%s step %d %s", self.stage, step, json.dumps(shown, sort_keys=True))
 
 
-def _initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | None]:
+def initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | None]:
     """(the model to load, the adapter to load into it) for `init_checkpoint` `folder`: a
     whole model, or a LoRA adapter on `trainer.model` (a LoRA SFT's result)."""
     if not is_adapter(folder):
@@ -204,16 +212,9 @@ def _initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | N
     return config.model, folder
 
 
-def build_trainer(
-    config: PrimeflowConfig,
-    stage: Stage,
-    dist: DistInfo,
-    assets: dict[str, bytes],
-    optim: OptimizerConfig,
-    scheduler_config: SchedulerConfig,
-    max_steps: int,
-) -> Trainer:
-    """Load, shard and wrap the model with its optimizer and schedule."""
+def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
+    """Load the model (`trainer.init_checkpoint`'s weights or adapter when set), shard it,
+    and wrap it with what every step needs."""
     trainer_config = config.trainer
     assert trainer_config.model is not None and trainer_config.seq_len is not None
     dtype = compute_dtype(trainer_config.dtype, dist.device)
@@ -225,33 +226,62 @@ def build_trainer(
         revision=config.model.revision,
         lora=trainer_config.lora,
     )
-    weights, adapter = trainer_config.model, None
+    weights = trainer_config.model
     if trainer_config.init_checkpoint is not None:
-        folder = local_checkpoint(
-            trainer_config.init_checkpoint, default_cache_dir(), config.storage
-        )
-        weights, adapter = _initial_weights(trainer_config, folder)
+        weights, _ = initial_weights(trainer_config, init_folder(config))
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
-    if adapter is not None:
-        load_adapter(policy, load_checkpoint_weights(adapter))
+    if policy.lora is not None:
+        load_start_adapter(policy, config)
     on_gpu = dist.device.type == "cuda"
-    ctx = StepContext(
+    return StepContext(
         policy=policy,
         dist=dist,
         compute_dtype=dtype,
         flops_per_token=flops_per_token(policy.config, num_parameters, trainer_config.seq_len),
         peak_flops=measure_bf16_peak(dist.device) if on_gpu else None,
     )
-    optimizer = build_optimizer(policy, optim, dist.device)
+
+
+def load_start_adapter(policy: PolicyModel, config: PrimeflowConfig) -> None:
+    """A LoRA run's first adapter: `trainer.init_checkpoint`'s (a LoRA SFT's result), or a
+    fresh one drawn from `run.seed` alone, so that a run starts from the same adapter on a
+    trainer of its own and as a tenant of shared pools."""
+    if config.trainer.init_checkpoint is None:
+        shapes = {name: tuple(p.shape) for name, p in policy.trainable()}
+        load_adapter(policy, published(fresh_adapter(shapes, config.run.seed)))
+        return
+    _, adapter = initial_weights(config.trainer, init_folder(config))
+    assert adapter is not None  # initial_weights refuses whole weights for a LoRA run
+    load_adapter(policy, load_checkpoint_weights(adapter))
+
+
+def init_folder(config: PrimeflowConfig) -> Path:
+    """`trainer.init_checkpoint` as a local folder (fetched when remote)."""
+    assert config.trainer.init_checkpoint is not None
+    return local_checkpoint(config.trainer.init_checkpoint, default_cache_dir(), config.storage)
+
+
+def trainer_on(
+    ctx: StepContext,
+    config: PrimeflowConfig,
+    stage: Stage,
+    assets: dict[str, bytes],
+    optim: OptimizerConfig,
+    scheduler_config: SchedulerConfig,
+    max_steps: int,
+) -> Trainer:
+    """A stage's optimizer, schedule, stores and checkpoint writer around the model of `ctx`
+    (one model, one trainer; or a shared model and one trainer per tenant)."""
+    optimizer = build_optimizer(ctx.policy, optim, ctx.dist.device)
     scheduler = build_scheduler(optimizer, scheduler_config, max_steps)
     run_store = open_store(config)
     store = stage_store(run_store, stage)
     return Trainer(
         config=config,
         stage=stage,
-        dist=dist,
+        dist=ctx.dist,
         store=store,
         run_store=run_store,
         ctx=ctx,
@@ -261,14 +291,28 @@ def build_trainer(
         max_steps=max_steps,
         checkpoints=CheckpointWriter(
             store,
-            policy,
+            ctx.policy,
             optimizer,
             scheduler,
-            dist,
+            ctx.dist,
             files=assets,
-            config=trainer_config.checkpoint,
+            config=config.trainer.checkpoint,
         ),
     )
+
+
+def build_trainer(
+    config: PrimeflowConfig,
+    stage: Stage,
+    dist: DistInfo,
+    assets: dict[str, bytes],
+    optim: OptimizerConfig,
+    scheduler_config: SchedulerConfig,
+    max_steps: int,
+) -> Trainer:
+    """Load, shard and wrap the model with its optimizer and schedule."""
+    ctx = policy_context(config, dist)
+    return trainer_on(ctx, config, stage, assets, optim, scheduler_config, max_steps)
 
 
 def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -> None:
@@ -301,29 +345,41 @@ def train_rl_steps(
 ) -> None:
     """Steps `first` .. max_steps: wait for the rollouts, train, publish, checkpoint when due."""
     trainer_config = trainer.config.trainer
-    vocab_size = trainer.ctx.policy.config.vocab_size
     for step in range(first, trainer.max_steps + 1):
         wait_start = time.perf_counter()
         table = wait_for_rollouts(
             trainer.store, step, trainer_config.rollout_timeout_s, trainer_config.poll_interval_s
         )
-        samples = samples_from_rollouts(
-            table,
-            step=step,
-            vocab_size=vocab_size,
-            seq_len=trainer.seq_len,
-            allow_truncation=trainer_config.truncate,
-        )
-        wait_seconds = time.perf_counter() - wait_start
-        metrics = trainer.step(samples, loss_fn, trainer_config.optim)
-        metrics.update(publisher.publish(step))
-        versions = table.column("policy_version").to_pylist()
-        metrics.update(
-            samples=len(samples),
-            wait_seconds=wait_seconds,
-            policy_lag_max=max((step - 1 - v for v in versions), default=0),
-        )
-        trainer.finish_step(step, metrics, {"rollout_step": step})
+        train_rl_step(trainer, publisher, loss_fn, step, table, time.perf_counter() - wait_start)
+
+
+def train_rl_step(
+    trainer: Trainer,
+    publisher: PolicyPublisher,
+    loss_fn: LossFn,
+    step: int,
+    table: pa.Table,
+    wait_seconds: float,
+) -> None:
+    """Train on step `step`'s committed rollouts `table`, publish the policy, checkpoint when
+    due, log the step's metrics."""
+    trainer_config = trainer.config.trainer
+    samples = samples_from_rollouts(
+        table,
+        step=step,
+        vocab_size=trainer.ctx.policy.config.vocab_size,
+        seq_len=trainer.seq_len,
+        allow_truncation=trainer_config.truncate,
+    )
+    metrics = trainer.step(samples, loss_fn, trainer_config.optim)
+    metrics.update(publisher.publish(step))
+    versions = table.column("policy_version").to_pylist()
+    metrics.update(
+        samples=len(samples),
+        wait_seconds=wait_seconds,
+        policy_lag_max=max((step - 1 - v for v in versions), default=0),
+    )
+    trainer.finish_step(step, metrics, {"rollout_step": step})
 
 
 def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
@@ -403,19 +459,45 @@ def evaluate(trainer: Trainer, samples: Sequence[Sample], batch_size: int) -> di
     return {"loss": sums["loss"] / max(tokens, 1)}
 
 
-def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
-    """Join the process group and run `stage` on this rank."""
+#: What one rank runs once it has joined the group: config, the group, the model's files.
+RankMain = Callable[[PrimeflowConfig, DistInfo, dict[str, bytes]], None]
+
+
+def in_process_group(config: PrimeflowConfig, run: RankMain) -> None:
+    """Join the process group (pinned to `trainer.cpu_cores` when set) and `run` this rank."""
     assert config.trainer.model is not None
-    if stage == "rl" and config.trainer.cpu_cores:
+    if config.trainer.cpu_cores:
         cores = bind_to_cores(config.trainer.cpu_cores, "trainer.cpu_cores")
         if config.trainer.num_threads is None:
             torch.set_num_threads(len(cores))
     dist = init_distributed(config.trainer.parallel.backend)
     try:
-        assets = model_assets(config.trainer.model, config.model.revision)
-        (run_sft if stage == "sft" else run_rl)(config, dist, assets)
+        run(config, dist, model_assets(config.trainer.model, config.model.revision))
     finally:
         close_distributed()
+
+
+def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
+    """Run `stage` on this rank (SFT is never pinned: it has no inference beside it)."""
+    if stage == "sft":
+        config = config.model_copy(
+            update={"trainer": config.trainer.model_copy(update={"cpu_cores": None})}
+        )
+    in_process_group(config, run_sft if stage == "sft" else run_rl)
+
+
+def rank_config(config_path: str) -> PrimeflowConfig:
+    """A rank's start: logging to stderr (torchrun's log), the config, the supervisor watch
+    and the stack-dump hook."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    config = PrimeflowConfig.model_validate_json(Path(config_path).read_text())
+    watch_supervisor()
+    register_stack_dump()
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -423,15 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="resolved PrimeflowConfig as JSON")
     parser.add_argument("--stage", choices=["sft", "rl"], required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    config = PrimeflowConfig.model_validate_json(Path(args.config).read_text())
-    watch_supervisor()
-    register_stack_dump()
-    run_stage(config, args.stage)
+    run_stage(rank_config(args.config), args.stage)
     return 0
 
 

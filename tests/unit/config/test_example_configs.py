@@ -30,6 +30,9 @@ COMBINATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("qwen3_0_6b/reverse_text.toml",)),
     ("pipeline", ("qwen3_0_6b/reverse_text.toml", "qwen3_0_6b/one_gpu.toml")),
     ("pipeline", ("reverse_text/gpu.toml",)),
+    ("pools up", ("multi_tenant/pools.toml",)),
+    ("pipeline", ("multi_tenant/tenant.toml", "multi_tenant/reverse_text.toml")),
+    ("pipeline", ("multi_tenant/tenant.toml", "multi_tenant/alphabet_sort.toml")),
 ]
 
 
@@ -49,7 +52,7 @@ def test_every_shipped_config_is_covered() -> None:
 
 @pytest.mark.parametrize(("command", "files"), COMBINATIONS, ids=lambda v: str(v))
 def test_dry_run_resolves(command: str, files: tuple[str, ...], capsys) -> None:
-    assert main([command, *_args(files), "--dry-run"]) == 0
+    assert main([*command.split(), *_args(files), "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert PrimeflowConfig.model_validate(resolved).model_dump(mode="json") == resolved
 
@@ -69,7 +72,13 @@ def _prompt_len(tokenizer, text: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "files", [("reverse_text/pipeline.toml",), ("debug/tiny.toml",), ("reverse_text/gpu.toml",)]
+    "files",
+    [
+        ("reverse_text/pipeline.toml",),
+        ("debug/tiny.toml",),
+        ("reverse_text/gpu.toml",),
+        ("multi_tenant/tenant.toml", "multi_tenant/reverse_text.toml"),
+    ],
 )
 def test_reverse_text_samples_fit_the_context(files: tuple[str, ...], tiny_tokenizer) -> None:
     """No prompt + max_tokens and no SFT conversation is cut by seq_len (nothing truncated)."""

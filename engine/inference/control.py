@@ -1,0 +1,35 @@
+"""Talking to a server's control routes (reload, adapters, pause), and how that fails."""
+
+from __future__ import annotations
+
+import httpx
+
+
+class ReloadError(RuntimeError):
+    """A checkpoint could not be swapped in; the servers still serve the previous weights."""
+
+
+class ServedWeightsMismatchError(RuntimeError):
+    """A verified reload found served parameters that differ from the checkpoint: a bug, and
+    never retried (see `InferenceConfig.verify_reloads`)."""
+
+
+def control_client(base_url: str, api_key: str, timeout_s: float) -> httpx.Client:
+    """An HTTP client for a server's control routes (loopback + key, see `guard`)."""
+    return httpx.Client(
+        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout_s
+    )
+
+
+def expect_ok(response: httpx.Response, what: str) -> None:
+    """Raise `ReloadError` with vLLM's own message when a control call did not succeed."""
+    if response.status_code == 200:
+        return
+    try:
+        message = response.json().get("error", response.text)
+        if isinstance(message, dict):
+            message = message.get("message", message)
+    except ValueError:
+        message = response.text
+    message = " ".join(str(message).split())
+    raise ReloadError(f"{what} answered {response.status_code}: {message}")

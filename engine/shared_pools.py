@@ -1,0 +1,156 @@
+"""The shared pool pair that `primeflow pools up` keeps running: one inference pool serving
+the base model with runtime LoRA, one trainer pool training every tenant's adapter
+(`engine.trainer.tenants`), both in process groups of their own.
+
+The supervisor records them (`pool.json`, for tenants; `process-groups.json`, for whoever
+must kill them), restarts a trainer that died (tenants resume from their last committed
+checkpoint, as after any restart), unloads the adapters of tenants that died without doing
+so themselves, and stops both pools however it ends. A tenant never stops the pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import httpx
+
+from engine.config import PrimeflowConfig
+from engine.inference.adapters import AdapterLineage
+from engine.inference.control import control_client
+from engine.inference.pool import InferencePool
+from engine.process_groups import forget_group, record_group
+from engine.stages import Logger
+from engine.tenancy import PoolRecord, TenantFiles, lora_of, pool_dir, tenant_names
+from engine.trainer.pool import TrainerPool
+
+log = logging.getLogger("primeflow.pools")
+#: Trainer restarts before the supervisor gives up (a trainer that keeps dying has a bug).
+MAX_TRAINER_RESTARTS = 3
+#: How often the supervisor looks at its pools.
+CHECK_S = 1.0
+TRAINER = "trainer-tenants"
+
+
+class SharedPoolsError(RuntimeError):
+    """The shared pools cannot go on; the message says which part failed and where its log is."""
+
+
+class SharedPools:
+    """The pools of `config.pools.name`: start, supervise, stop."""
+
+    def __init__(self, config: PrimeflowConfig, logger: Logger = log) -> None:
+        if config.pools.name is None or config.trainer.lora is None:
+            raise ValueError("shared pools need pools.name and trainer.lora")
+        self.config = config
+        self.logger = logger
+        self.name = config.pools.name
+        self.logs = pool_dir(self.name) / "logs"
+        self.inference = InferencePool.for_run(config, self.logs)
+        self.trainer = TrainerPool(config, "tenants", log_path=self.logs / f"{TRAINER}.log")
+        self.restarts = 0
+        #: (tenant, attempt) whose adapters were unloaded after its lease lapsed.
+        self._cleaned: set[tuple[str, str]] = set()
+        self._cleaned_at = 0.0
+
+    def _record(self, status: str) -> PoolRecord:
+        record = PoolRecord(
+            name=self.name,
+            status=status,  # type: ignore[arg-type]
+            supervisor_pid=os.getpid(),
+            model=str(self.config.trainer.model),
+            lora=lora_of(self.config),
+            tenants=self.config.pools.tenants,
+            servers=[e.base_url for e in self.inference.endpoints],
+            api_key=self.inference.api_key if status == "running" else "",
+        )
+        record.write()
+        return record
+
+    def start(self) -> PoolRecord:
+        """Start both pools; the record says `running` once tenants can use them."""
+        try:
+            PoolRecord.read(self.name)
+        except RuntimeError:
+            pass
+        else:
+            raise SharedPoolsError(f"shared pools {self.name!r} are running already")
+        self._record("starting")
+        try:
+            self.inference.start()
+            for group, pgid in self.inference.process_groups.items():
+                record_group(self.logs, group, pgid)
+            self._start_trainer()
+        except BaseException:
+            self.stop()
+            raise
+        return self._record("running")
+
+    def _start_trainer(self) -> None:
+        self.trainer.start()
+        record_group(self.logs, TRAINER, self.trainer.pgid)
+
+    def check(self) -> None:
+        """One look: restart a trainer that died, clean up after dead tenants; raise
+        `SharedPoolsError` when a server died or the trainer keeps dying."""
+        dead = self.inference.exited()
+        if dead:
+            raise SharedPoolsError(
+                f"inference servers of pools {self.name!r} exited: {dead}; logs in {self.logs}"
+            )
+        code = self.trainer.poll()
+        if code is not None:
+            cause = self.trainer.last_error() or f"status {code}"
+            if self.restarts >= MAX_TRAINER_RESTARTS:
+                raise SharedPoolsError(
+                    f"the shared trainer of pools {self.name!r} died {self.restarts + 1} times, "
+                    f"last of {cause}; see {self.trainer.log_path}"
+                )
+            self.restarts += 1
+            self.logger.warning("the shared trainer died (%s); restart %d", cause, self.restarts)
+            self.trainer.stop()
+            self.trainer = TrainerPool(self.config, "tenants", log_path=self.trainer.log_path)
+            self._start_trainer()
+        if time.monotonic() - self._cleaned_at > self.config.pools.heartbeat_s:
+            self._cleaned_at = time.monotonic()
+            self._unload_dead_tenants()
+
+    def _unload_dead_tenants(self) -> None:
+        """Unload the adapters of tenants whose lease lapsed (a tenant that ends normally
+        unloads its own)."""
+        for tenant in tenant_names(self.name):
+            files = TenantFiles(self.name, tenant)
+            request = files.read_request()
+            if request is None or (tenant, request[0]) in self._cleaned:
+                continue
+            age = files.lease_age(request[0])
+            if age is not None and age <= self.config.pools.lease_s:
+                continue
+            lineage = AdapterLineage(tenant, self._clients, [])
+            lineage.unload_all()
+            self._cleaned.add((tenant, request[0]))
+            self.logger.info("tenant %s is gone: its adapters are unloaded", tenant)
+
+    def _clients(self) -> list[httpx.Client]:
+        timeout = self.config.inference.reload_timeout_s
+        return [
+            control_client(e.base_url, self.inference.api_key, timeout)
+            for e in self.inference.endpoints
+        ]
+
+    def serve(self, stop: threading.Event) -> None:
+        """Supervise until `stop` is set; the caller has started the pools and stops them."""
+        while not stop.wait(CHECK_S):
+            self.check()
+
+    def stop(self) -> None:
+        """Stop the trainer, then the servers; safe to call more than once."""
+        self.trainer.stop()
+        forget_group(self.logs, TRAINER)
+        groups = self.inference.process_groups
+        self.inference.stop()
+        for group in groups:
+            forget_group(self.logs, group)
+        self._record("stopped")
