@@ -44,6 +44,12 @@ def _check_name(name: str, kind: str) -> str:
     return name
 
 
+def validate_folder_name(name: str, kind: str) -> str:
+    """Return `name` if it can name one folder on every backend, else raise `ValueError`
+    naming it as `kind`."""
+    return _check_name(name, kind)
+
+
 def validate_run_name(name: str) -> str:
     """Return `name` if it can name a run folder on every backend, else raise `ValueError`."""
     return _check_name(name, "run name")

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from engine.config.base import BaseConfig
-from storage.layout import validate_run_name
+from storage.layout import validate_folder_name
 
 
 class SharedPoolsConfig(BaseConfig):
@@ -50,4 +50,4 @@ class SharedPoolsConfig(BaseConfig):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, value: str | None) -> str | None:
-        return value if value is None else validate_run_name(value)
+        return value if value is None else validate_folder_name(value, "pools name")

@@ -147,7 +147,7 @@ class PrimeflowConfig(BaseConfig):
             )
         if pools.heartbeat_s >= pools.lease_s:
             raise ValueError(
-                f"pools.heartbeat_s ({pools.heartbeat_s:g}) must be shorter than pools.lease_s "
-                f"({pools.lease_s:g}), or a live tenant's lease would lapse"
+                f"pools.heartbeat_s = {pools.heartbeat_s:g} must be shorter than pools.lease_s = "
+                f"{pools.lease_s:g}, or a live tenant's lease would lapse"
             )
         return self

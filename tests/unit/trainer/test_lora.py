@@ -23,7 +23,7 @@ from engine.config.trainer import (
 from engine.trainer.batching import micro_batches
 from engine.trainer.checkpoint import CheckpointWriter, load_checkpoint
 from engine.trainer.distributed import init_distributed
-from engine.trainer.lora import published_name, trainer_name
+from engine.trainer.lora import fresh_adapter, published_name, trainer_name
 from engine.trainer.loss import sft_loss
 from engine.trainer.model import ModelOptions, PolicyModel, build_policy, load_causal_lm
 from engine.trainer.optim import build_optimizer
@@ -152,3 +152,18 @@ def test_a_resume_checkpoint_restores_adapters_and_optimizer_exactly(
         )
     ]
     assert all(torch.equal(x.full_tensor(), y.full_tensor()) for x, y in moments)
+
+
+def test_a_fresh_adapter_is_peft_s_init_drawn_from_the_seed_alone() -> None:
+    shapes = {
+        "model.layers.0.mlp.up_proj.lora_A.default.weight": (4, 64),
+        "model.layers.0.mlp.up_proj.lora_B.default.weight": (128, 4),
+    }
+    a_name, b_name = shapes
+    first, again, other = (fresh_adapter(shapes, seed) for seed in (7, 7, 8))
+    assert all(torch.equal(first[k], again[k]) for k in shapes)  # a tenant starts alike anywhere
+    assert not torch.equal(first[a_name], other[a_name])
+    assert torch.count_nonzero(first[b_name]) == 0  # B = 0: the adapter starts as the base
+    # Kaiming-uniform with a = sqrt(5), as PEFT's LoRA A: bound 1 / sqrt(fan_in).
+    bound = 1 / np.sqrt(64)
+    assert first[a_name].abs().max() <= bound and first[a_name].abs().max() > 0.9 * bound
