@@ -10,10 +10,14 @@ so themselves, and stops both pools however it ends. A tenant never stops the po
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
+from dataclasses import asdict
+from typing import Any
 
 import httpx
 
@@ -21,9 +25,16 @@ from engine.config import PrimeflowConfig
 from engine.inference.adapters import AdapterLineage
 from engine.inference.control import control_client
 from engine.inference.pool import InferencePool
-from engine.process_groups import forget_group, record_group
+from engine.process_groups import forget_group, kill_recorded_groups, record_group
 from engine.stages import Logger
-from engine.tenancy import PoolRecord, TenantFiles, lora_of, pool_dir, tenant_names
+from engine.tenancy import (
+    PoolRecord,
+    TenantFiles,
+    lora_of,
+    pool_dir,
+    read_pool_record,
+    tenant_names,
+)
 from engine.trainer.pool import TrainerPool
 
 log = logging.getLogger("primeflow.pools")
@@ -32,6 +43,8 @@ MAX_TRAINER_RESTARTS = 3
 #: How often the supervisor looks at its pools.
 CHECK_S = 1.0
 TRAINER = "trainer-tenants"
+#: How long `stop_running` waits for the supervisor to stop its pools before killing them.
+DOWN_GRACE_S = 60.0
 
 
 class SharedPoolsError(RuntimeError):
@@ -154,3 +167,33 @@ class SharedPools:
         for group in groups:
             forget_group(self.logs, group)
         self._record("stopped")
+
+
+def stop_running(name: str, grace_s: float = DOWN_GRACE_S) -> list[str] | None:
+    """Stop the running pools `name` from another process: SIGTERM their supervisor, wait
+    for it to stop both pools, kill what is left after `grace_s`. The process groups killed
+    that way, or None when no such pools were running."""
+    record = read_pool_record(name)
+    if record is None or record.status == "stopped":
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record.supervisor_pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        record = read_pool_record(name)
+        if record is None or record.status == "stopped":
+            break
+        time.sleep(0.5)
+    return kill_recorded_groups(pool_dir(name) / "logs")
+
+
+def status_of(name: str) -> dict[str, Any]:
+    """The pools' record (without their key) and what the trainer last said of each tenant."""
+    record = read_pool_record(name)
+    document: dict[str, Any] = {"name": name, "status": "absent"}
+    if record is not None:
+        document = {key: value for key, value in asdict(record).items() if key != "api_key"}
+    document["tenants_now"] = {
+        tenant: TenantFiles(name, tenant).last_state() for tenant in tenant_names(name)
+    }
+    return document

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -113,9 +114,47 @@ def _deploy(argv: list[str], dry_run: bool) -> int:
 
 
 def _pools(argv: list[str], dry_run: bool) -> int:
-    from flows.pools import main as pools_main
+    """`pools up @ config.toml ...` (foreground), `pools down --name N`, `pools status --name N`."""
+    from engine import shared_pools
 
-    return pools_main(argv, dry_run)
+    if argv[:1] == ["up"]:
+        return _pools_up(argv[1:], dry_run)
+    parser = argparse.ArgumentParser(prog="primeflow pools", description=_pools.__doc__)
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("--name", required=True, help="the shared pools' pools.name")
+    args = parser.parse_args(argv)
+    if args.action == "status":
+        print(json.dumps(shared_pools.status_of(args.name), indent=2, default=str))
+        return 0
+    killed = shared_pools.stop_running(args.name)
+    if killed is None:
+        print(f"no shared pools named {args.name!r} are running")
+    else:
+        print(f"shared pools {args.name!r} stopped" + (f" (killed {killed})" if killed else ""))
+    return 0
+
+
+def _pools_up(argv: list[str], dry_run: bool) -> int:
+    """Run the `pools` flow in the foreground until Ctrl-C, SIGTERM or `pools down`."""
+    from flows import server
+
+    config = load_config(argv, prog="primeflow pools up")
+    if dry_run:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
+    api_url = server.ensure_api_url()
+    print(f"Prefect UI: {api_url.removesuffix('/api')}", flush=True)
+    from flows.pools import shared_pools  # Prefect after ensure_api_url: no ephemeral server
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        shared_pools(config=config)
+    except KeyboardInterrupt:
+        print(f"shared pools {config.pools.name!r} stopped")
+    return 0
 
 
 def _server(argv: list[str], dry_run: bool) -> int:

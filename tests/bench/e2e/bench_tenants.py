@@ -1,0 +1,150 @@
+"""Two LoRA tenants on one shared pool pair against one tenant alone on the same pools.
+
+Issue 18's measure: aggregate RL steps per second of two tenants training at once on one
+shared inference pool and one shared trainer, over one tenant alone on the very same pools
+(started once, measured back to back). A small tenant leaves each pool idle while the other
+half of its loop runs; a second tenant fills that time (target ≥ 1.5× on one H200).
+
+Each tenant is a process of its own (as `primeflow rl` with `pools.name` would be), running
+the RL stage through `engine.stages.run_rl` on its view of the shared servers. Steps per
+second are read from each tenant's committed trainer metrics, leaving its first
+`WARMUP_STEPS` out; together, the aggregate is every tenant's steps inside the window in which
+all of them were training, over that window.
+
+    python -m tests.bench.e2e.bench_tenants --steps 12 --out bench_tenants.json      # one GPU
+    # the instrument itself on a CPU machine, with the tiny shared pools of the example:
+    python -m tests.bench.e2e.bench_tenants --config configs/multi_tenant/pools.toml \
+        --model primeflow/tiny-qwen3 --steps 5 -- --orchestrator.batch-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.config import PrimeflowConfig, with_overrides
+from engine.inference.attached import AttachedPool
+from engine.run import open_run, run_store
+from engine.shared_pools import SharedPools
+from engine.stages import run_rl
+from engine.tenancy import PoolRecord
+from storage.metrics import read_metrics
+from tests.bench.e2e.bench_async import emit
+from tests.bench.e2e.bench_gpu_rl import CONFIGS, WARMUP_STEPS, bench_config
+
+POOLS = "bench"
+#: A small tenant: 4 prompts × 8 samples a step.
+SMALL = ["--orchestrator.batch-size", "32", "--orchestrator.rollouts-per-example", "8"]
+LORA = ["--trainer.lora.rank", "16", "--trainer.lora.alpha", "32"]
+
+
+def tenant_main(config_path: str) -> None:
+    """One tenant's RL stage on the shared pools (a subprocess of `run_tenants`)."""
+    config = PrimeflowConfig.model_validate_json(Path(config_path).read_text())
+    record = PoolRecord.read(POOLS)
+    view = AttachedPool(
+        config.run.name,
+        model=record.model,
+        urls=record.servers,
+        api_key=record.api_key,
+        config=config.inference,
+        storage=config.storage,
+    )
+    try:
+        run_rl(config, open_run(config), view)
+    finally:
+        view.close()
+
+
+def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) -> dict[str, Any]:
+    """Run tenants `names` at once to the end; their step times and the aggregate rate."""
+    processes = []
+    for seed, name in enumerate(names):
+        tenant = with_overrides(config, {"run.name": name, "run.seed": seed})
+        path = workdir / f"{name}.json"
+        path.write_text(tenant.model_dump_json())
+        log = (workdir / f"{name}.log").open("wb")
+        command = [sys.executable, "-m", "tests.bench.e2e.bench_tenants", "--tenant", str(path)]
+        processes.append((name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
+    for name, process in processes:
+        if process.wait() != 0:
+            raise RuntimeError(f"tenant {name} failed; see {workdir / f'{name}.log'}")
+    times = {
+        name: [
+            line["time"]
+            for line in read_metrics(run_store(with_overrides(config, {"run.name": name})), "rl")
+        ]
+        for name in names
+    }
+    start = max(steps[WARMUP_STEPS] for steps in times.values())
+    end = min(steps[-1] for steps in times.values())
+    inside = sum(sum(1 for t in steps if start < t <= end) for steps in times.values())
+    return {
+        "tenants": list(names),
+        "step_times": times,
+        "window_s": end - start,
+        "steps_in_window": inside,
+        "steps_per_s": inside / (end - start),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.e2e.bench_tenants")
+    parser.add_argument("--tenant", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="primeflow/qwen3-0.6b-body")
+    parser.add_argument("--config", action="append", help="config files composed in order")
+    parser.add_argument("--steps", type=int, default=12, help="RL steps of each tenant")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None, help="write the JSON result here too")
+    parser.add_argument("overrides", nargs="*", help="extra config flags, after --")
+    args = parser.parse_args(argv)
+    if args.tenant:
+        tenant_main(args.tenant)
+        return {}
+    if args.steps <= WARMUP_STEPS + 1:
+        parser.error(f"--steps must be more than {WARMUP_STEPS + 1}")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-tenants-"))
+    os.environ["PRIMEFLOW_HOME"] = str(workdir / "home")  # the tenants inherit it
+    files = args.config or [str(path) for path in CONFIGS]
+    extra = [*LORA, *SMALL, "--pools.name", POOLS, "--pools.tenants", "2", *args.overrides]
+    config = bench_config(files, workdir, args.model, args.steps, extra)
+    pools = SharedPools(config)
+    started = time.perf_counter()
+    pools.start()
+    startup_s = time.perf_counter() - started
+    stop = threading.Event()
+    supervisor = threading.Thread(target=pools.serve, args=(stop,), daemon=True)
+    supervisor.start()
+    try:
+        alone = run_tenants(config, ["alone"], workdir)
+        together = run_tenants(config, ["first", "second"], workdir)
+    finally:
+        stop.set()
+        supervisor.join()
+        pools.stop()
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": args.model,
+        "steps": args.steps,
+        "batch_size": config.orchestrator.batch_size,
+        "max_tokens": config.orchestrator.sampling.max_tokens,
+        "pools_startup_s": startup_s,
+        "alone": alone,
+        "together": together,
+        "aggregate_over_alone": together["steps_per_s"] / alone["steps_per_s"],
+    }
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)
