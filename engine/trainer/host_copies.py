@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -42,15 +43,31 @@ class Fence:
     def guard(self, optimizer: Optimizer) -> None:
         """Make `optimizer`'s next step wait on the device until the copies are taken, since it
         changes the parameters and moments in place. Nothing waits on the host."""
-        event = self._event
-        if event is None:
-            return
+        if self._event is not None:
+            _fences_before_step(optimizer).append(self._event)
+
+
+#: The fences each optimizer's next step waits for (a policy version's and a checkpoint's
+#: may both be pending).
+_PENDING: weakref.WeakKeyDictionary[Optimizer, list[torch.cuda.Event]] = weakref.WeakKeyDictionary()
+
+
+def _fences_before_step(optimizer: Optimizer) -> list[torch.cuda.Event]:
+    """The list of fences `optimizer`'s next step waits on, with the one pre-step hook that
+    waits on them and empties it (a hook that removed itself would change the hooks while the
+    optimizer iterates over them, and fail when two fences are pending)."""
+    pending = _PENDING.get(optimizer)
+    if pending is None:
+        pending = _PENDING[optimizer] = []
 
         def before_step(*_: object) -> None:
-            torch.cuda.current_stream().wait_event(event)
-            handle.remove()
+            stream = torch.cuda.current_stream()
+            for event in pending:
+                stream.wait_event(event)
+            pending.clear()
 
-        handle = optimizer.register_step_pre_hook(before_step)
+        optimizer.register_step_pre_hook(before_step)
+    return pending
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +79,12 @@ def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) ->
     for name, process in processes:
         if process.wait() != 0:
             raise RuntimeError(f"tenant {name} failed; see {workdir / f'{name}.log'}")
-    times = {
-        name: [
-            line["time"]
-            for line in read_metrics(run_store(with_overrides(config, {"run.name": name})), "rl")
-        ]
+    lines = {
+        name: read_metrics(run_store(with_overrides(config, {"run.name": name})), "rl")
         for name in names
     }
+    times = {name: [line["time"] for line in steps] for name, steps in lines.items()}
+    train_s = [line["step_seconds"] for steps in lines.values() for line in steps[WARMUP_STEPS:]]
     start = max(steps[WARMUP_STEPS] for steps in times.values())
     end = min(steps[-1] for steps in times.values())
     inside = sum(sum(1 for t in steps if start < t <= end) for steps in times.values())
@@ -93,6 +94,20 @@ def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) ->
         "window_s": end - start,
         "steps_in_window": inside,
         "steps_per_s": inside / (end - start),
+        "train_step_s_median": statistics.median(train_s),
+        "interval_s_median": statistics.median(
+            b - a for steps in times.values() for a, b in pairwise(steps[WARMUP_STEPS:])
+        ),
+        "orchestrator_median_s": {
+            key: statistics.median(
+                line[key]
+                for name in names
+                for line in read_metrics(
+                    run_store(with_overrides(config, {"run.name": name})), "orchestrator"
+                )[WARMUP_STEPS:]
+            )
+            for key in ("time/step_s", "time/reload_s", "time/policy_wait_s")
+        },
     }
 
 
@@ -102,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="primeflow/qwen3-0.6b-body")
     parser.add_argument("--config", action="append", help="config files composed in order")
     parser.add_argument("--steps", type=int, default=12, help="RL steps of each tenant")
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--workdir", default=None, help="a fresh folder is made in it")
     parser.add_argument("--out", default=None, help="write the JSON result here too")
     parser.add_argument("overrides", nargs="*", help="extra config flags, after --")
     args = parser.parse_args(argv)
@@ -111,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     if args.steps <= WARMUP_STEPS + 1:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 1}")
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-tenants-"))
+    workdir = Path(tempfile.mkdtemp(prefix="bench-tenants-", dir=args.workdir))
     os.environ["PRIMEFLOW_HOME"] = str(workdir / "home")  # the tenants inherit it
     files = args.config or [str(path) for path in CONFIGS]
     extra = [*LORA, *SMALL, "--pools.name", POOLS, "--pools.tenants", "2", *args.overrides]
