@@ -29,6 +29,17 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def process_exists(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie too), whoever owns it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def groups_file(log_dir: Path) -> Path:
     return log_dir / GROUPS_FILE
 

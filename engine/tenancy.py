@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import PrimeflowConfig
+from engine.process_groups import process_exists
 from engine.run import primeflow_home
 
 #: What the trainer says about a tenant's attempt.
@@ -77,7 +78,11 @@ class PoolRecord:
     def read(cls, name: str) -> PoolRecord:
         """The running pool pair `name`, or `NoSuchPoolError`."""
         record = read_pool_record(name)
-        if record is None or record.status != "running" or not _alive(record.supervisor_pid):
+        if (
+            record is None
+            or record.status != "running"
+            or not process_exists(record.supervisor_pid)
+        ):
             raise NoSuchPoolError(
                 f"no shared pools named {name!r} are running on this host (looked in "
                 f"{pool_dir(name)}): start them with `primeflow pools up --pools.name {name} "
@@ -90,16 +95,6 @@ def read_pool_record(name: str) -> PoolRecord | None:
     """Pool pair `name`'s record as last written (running, or not), None if there is none."""
     document = _read_json(pool_dir(name) / "pool.json")
     return PoolRecord(**document) if document is not None else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class TenantFiles:

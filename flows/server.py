@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.process_groups import process_exists
 from engine.run import primeflow_home
 
 DEFAULT_HOST = "127.0.0.1"
@@ -101,12 +102,8 @@ def read_state(home: Path) -> ServerState | None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not process_exists(pid):
         return False
-    except PermissionError:
-        return True
     # A server this process started and that has exited stays a zombie until reaped, and
     # signal 0 reaches zombies: without this, `stop` in the starting process waited its whole
     # timeout for a server that was long gone.

@@ -58,14 +58,7 @@ def attach_inference_pool(config: PrimeflowConfig) -> AttachedPool:
     get_run_logger().info(
         "attached to the shared inference pool %r: %s", record.name, ", ".join(record.servers)
     )
-    return AttachedPool(
-        config.run.name,
-        model=record.model,
-        urls=record.servers,
-        api_key=record.api_key,
-        config=config.inference,
-        storage=config.storage,
-    )
+    return AttachedPool.from_record(record, config)
 
 
 @contextmanager

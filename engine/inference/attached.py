@@ -15,19 +15,20 @@ from pathlib import Path
 
 import httpx
 
+from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
 from engine.config.run import StorageConfig
 from engine.inference.adapters import AdapterLineage
 from engine.inference.checkpoints import (
-    checkpoint_step,
     forget_fetched,
     local_checkpoint,
     version_chain,
 )
-from engine.inference.control import ReloadError, control_client
+from engine.inference.control import ReloadError, control_client, named_version
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from engine.models.tiny import default_cache_dir
+from engine.tenancy import PoolRecord
 from storage.checkpoints import is_adapter
 
 
@@ -65,6 +66,18 @@ class AttachedPool:
             retire=self._forget_fetched,
         )
 
+    @classmethod
+    def from_record(cls, record: PoolRecord, config: PrimeflowConfig) -> AttachedPool:
+        """Run `config`'s view of the running shared pools `record` describes."""
+        return cls(
+            config.run.name,
+            model=record.model,
+            urls=record.servers,
+            api_key=record.api_key,
+            config=config.inference,
+            storage=config.storage,
+        )
+
     @property
     def policy_version(self) -> int:
         return min((e.policy_version for e in self.endpoints), default=0)
@@ -78,10 +91,7 @@ class AttachedPool:
         """Serve adapter `checkpoint` (a policy version or a checkpoint of this tenant's run)
         as policy `version`; `ReloadError` leaves the previous one served."""
         location = os.fspath(checkpoint)
-        if version is None:
-            version = checkpoint_step(location)
-            if version is None:
-                raise ReloadError(f"no version given and none in the name of {location}")
+        version = named_version(location, version)
         with self._lock:
             try:
                 entries = version_chain(location, self._adapters.held_uid, self.storage)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import httpx
 
+from engine.inference.checkpoints import checkpoint_step
+
 
 class ReloadError(RuntimeError):
     """A checkpoint could not be swapped in; the servers still serve the previous weights."""
@@ -12,6 +14,16 @@ class ReloadError(RuntimeError):
 class ServedWeightsMismatchError(RuntimeError):
     """A verified reload found served parameters that differ from the checkpoint: a bug, and
     never retried (see `InferenceConfig.verify_reloads`)."""
+
+
+def named_version(location: str, version: int | None) -> int:
+    """`version`, else the step in `location`'s `step_NNNNNN` name (`ReloadError` if none)."""
+    if version is not None:
+        return version
+    step = checkpoint_step(location)
+    if step is None:
+        raise ReloadError(f"no version given and none in the name of {location}")
+    return step
 
 
 def control_client(base_url: str, api_key: str, timeout_s: float) -> httpx.Client:

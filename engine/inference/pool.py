@@ -28,7 +28,6 @@ from engine.config.run import StorageConfig
 from engine.inference.adapters import AdapterLineage
 from engine.inference.checkpoints import (
     check_compatible,
-    checkpoint_step,
     forget_fetched,
     local_checkpoint,
     version_chain,
@@ -38,6 +37,7 @@ from engine.inference.control import (
     ServedWeightsMismatchError,
     control_client,
     expect_ok,
+    named_version,
 )
 from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
@@ -308,10 +308,7 @@ class InferencePool:
         if not self._servers:
             raise ReloadError("the pool is not running")
         location = os.fspath(checkpoint)
-        if version is None:
-            version = checkpoint_step(location)
-            if version is None:
-                raise ReloadError(f"no version given and none in the name of {location}")
+        version = named_version(location, version)
         with self._reload_lock:
             try:
                 folders = self._local_chain(location, self._held_uid)

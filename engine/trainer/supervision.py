@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from engine.process_groups import process_exists
+
 SUPERVISOR_ENV = "PRIMEFLOW_SUPERVISOR_PID"
 log = logging.getLogger("primeflow.trainer")
 
@@ -34,13 +36,7 @@ def _start_time(pid: int) -> str | None:
 
 def _alive(pid: int, started: str | None) -> bool:
     if not Path("/proc").is_dir():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return process_exists(pid)
     return _start_time(pid) == started
 
 

@@ -70,6 +70,17 @@ def bench_config(
     return load_config([*args, "--max-steps", str(steps), *extra])
 
 
+def run_facts(config: PrimeflowConfig, model: str, steps: int) -> dict[str, Any]:
+    """When and on what a GPU benchmark ran: its result's first keys."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": model,
+        "steps": steps,
+        "batch_size": config.orchestrator.batch_size,
+        "max_tokens": config.orchestrator.sampling.max_tokens,
+    }
+
+
 def sampling_alone(config: PrimeflowConfig, pool: InferencePool, repeats: int) -> dict[str, Any]:
     """Seconds and generated tokens of one RL batch on vLLM with nothing else running."""
     orchestrator = config.orchestrator
@@ -214,11 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         pool.stop()
     training = training_alone(config, workdir)
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": args.model,
-        "steps": args.steps,
-        "batch_size": config.orchestrator.batch_size,
-        "max_tokens": config.orchestrator.sampling.max_tokens,
+        **run_facts(config, args.model, args.steps),
         "vllm_startup_s": startup_s,
         "sampling_alone": sampling,
         "training_alone": training,

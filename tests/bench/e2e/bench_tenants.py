@@ -40,7 +40,7 @@ from engine.stages import run_rl
 from engine.tenancy import PoolRecord
 from storage.metrics import read_metrics
 from tests.bench.e2e.bench_async import emit
-from tests.bench.e2e.bench_gpu_rl import CONFIGS, WARMUP_STEPS, bench_config
+from tests.bench.e2e.bench_gpu_rl import CONFIGS, WARMUP_STEPS, bench_config, run_facts
 
 POOLS = "bench"
 #: A small tenant: 4 prompts × 8 samples a step.
@@ -51,15 +51,7 @@ LORA = ["--trainer.lora.rank", "16", "--trainer.lora.alpha", "32"]
 def tenant_main(config_path: str) -> None:
     """One tenant's RL stage on the shared pools (a subprocess of `run_tenants`)."""
     config = PrimeflowConfig.model_validate_json(Path(config_path).read_text())
-    record = PoolRecord.read(POOLS)
-    view = AttachedPool(
-        config.run.name,
-        model=record.model,
-        urls=record.servers,
-        api_key=record.api_key,
-        config=config.inference,
-        storage=config.storage,
-    )
+    view = AttachedPool.from_record(PoolRecord.read(POOLS), config)
     try:
         run_rl(config, open_run(config), view)
     finally:
@@ -146,11 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         supervisor.join()
         pools.stop()
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": args.model,
-        "steps": args.steps,
-        "batch_size": config.orchestrator.batch_size,
-        "max_tokens": config.orchestrator.sampling.max_tokens,
+        **run_facts(config, args.model, args.steps),
         "pools_startup_s": startup_s,
         "alone": alone,
         "together": together,
