@@ -135,15 +135,15 @@ class SharedPools:
         unloads its own)."""
         for tenant in tenant_names(self.name):
             files = TenantFiles(self.name, tenant)
-            request = files.read_request()
-            if request is None or (tenant, request[0]) in self._cleaned:
+            attempt = files.requested_attempt()
+            if attempt is None or (tenant, attempt) in self._cleaned:
                 continue
-            age = files.lease_age(request[0])
+            age = files.lease_age(attempt)
             if age is not None and age <= self.config.pools.lease_s:
                 continue
             lineage = AdapterLineage(tenant, self._clients, [])
             lineage.unload_all()
-            self._cleaned.add((tenant, request[0]))
+            self._cleaned.add((tenant, attempt))
             self.logger.info("tenant %s is gone: its adapters are unloaded", tenant)
 
     def _clients(self) -> list[httpx.Client]:

@@ -197,7 +197,7 @@ class _SharedTrainer(_Trainer):
 
     def __enter__(self) -> _SharedTrainer:
         record = PoolRecord.read(self.pools)
-        problems = misfits(record, self.config)
+        problems = misfits(record.model, record.lora, self.config)
         if problems:
             raise ValueError(
                 f"this run cannot train on pools {self.pools!r}: {'; '.join(problems)}"

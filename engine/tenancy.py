@@ -125,10 +125,14 @@ class TenantFiles:
             return None
         return str(document["attempt"]), PrimeflowConfig.model_validate(document["config"])
 
+    def requested_attempt(self) -> str | None:
+        """The attempt the tenant asks for, without validating its config (what a poll needs)."""
+        document = _read_json(self.folder / "request.json")
+        return None if document is None else str(document["attempt"])
+
     def withdraw(self, attempt: str) -> None:
         """End `attempt` from the tenant's side (finished, failed or cancelled)."""
-        request = _read_json(self.folder / "request.json")
-        if request is not None and request.get("attempt") == attempt:
+        if self.requested_attempt() == attempt:
             (self.folder / "request.json").unlink(missing_ok=True)
         (self.folder / "lease.json").unlink(missing_ok=True)
 
@@ -180,15 +184,14 @@ def lora_of(config: PrimeflowConfig) -> dict[str, Any]:
     }
 
 
-def misfits(pool: PoolRecord, config: PrimeflowConfig) -> list[str]:
-    """Why `config` cannot be a tenant of `pool` (empty: it can)."""
+def misfits(model: str, lora: dict[str, Any], config: PrimeflowConfig) -> list[str]:
+    """Why `config` cannot be a tenant of pools that train `model` with adapters `lora`
+    (`lora_of`); empty: it can."""
     problems = []
-    if config.trainer.model != pool.model:
-        problems.append(
-            f"trainer.model is {config.trainer.model!r}, the pools train {pool.model!r}"
-        )
+    if config.trainer.model != model:
+        problems.append(f"trainer.model is {config.trainer.model!r}, the pools train {model!r}")
     if config.trainer.lora is None:
         problems.append("trainer.lora is not set: the pools train adapters only")
-    elif lora_of(config) != pool.lora:
-        problems.append(f"trainer.lora is {lora_of(config)}, the pools' adapters are {pool.lora}")
+    elif lora_of(config) != lora:
+        problems.append(f"trainer.lora is {lora_of(config)}, the pools' adapters are {lora}")
     return problems

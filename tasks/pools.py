@@ -66,18 +66,16 @@ def inference_pool(config: PrimeflowConfig, run: Run) -> Iterator[PoolOnDemand]:
     """The run's pool for the length of a `with` block, started (or attached to) on demand;
     stopped (or detached from) however the block ends, if it started."""
     if config.pools.name is not None:
-        shared = PoolOnDemand(lambda: attach_inference_pool(config))
-        try:
-            yield shared
-        finally:
-            if isinstance(attached := shared.started, AttachedPool):
-                attached.close()
-        return
-    pools = PoolOnDemand(lambda: start_inference_pool(config, run.logs))
+        pools = PoolOnDemand(lambda: attach_inference_pool(config))
+    else:
+        pools = PoolOnDemand(lambda: start_inference_pool(config, run.logs))
     try:
         yield pools
     finally:
-        if isinstance(pool := pools.started, InferencePool):
+        pool = pools.started
+        if isinstance(pool, AttachedPool):
+            pool.close()
+        elif pool is not None:
             stop_inference_pool(pool, run.logs)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from engine.config import PrimeflowConfig
-from engine.tenancy import ENDED, TenantFiles, lora_of, tenant_names
+from engine.tenancy import ENDED, TenantFiles, lora_of, misfits, tenant_names
 from engine.trainer.distributed import DistInfo, from_main
 from engine.trainer.loss import LossFn, build_loss
 from engine.trainer.publish import PolicyPublisher
@@ -65,7 +65,7 @@ class Tenant:
     next_step: int
     #: The adapter's parameters, sharded as the slot's are (stale while this tenant trains).
     adapter: list[torch.Tensor] = field(default_factory=list)
-    last_trained: float = 0.0
+    last_trained: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,20 +113,23 @@ class SharedTrainer:
         lease_s = self.config.pools.lease_s
         for name in tenant_names(self.pool):
             files = TenantFiles(self.pool, name)
-            request = files.read_request()
+            attempt = files.requested_attempt()
             active = self.tenants.get(name)
             if active is not None:
-                why = self._gone(files, active.attempt, request, lease_s)
-                if why is not None:
-                    release.append((name, why))
-                    active = None
-            if request is None or active is not None:
+                why = self._gone(files, active.attempt, attempt, lease_s)
+                if why is None:
+                    continue
+                release.append((name, why))
+            if attempt is None:
                 continue
-            attempt, config = request
             age = files.lease_age(attempt)
             state = files.state(attempt)
             if age is None or age > lease_s or (state is not None and state["status"] in ENDED):
                 continue
+            request = files.read_request()  # a new attempt: only now is its config validated
+            if request is None or request[0] != attempt:
+                continue
+            config = request[1]
             refusal = self._refusal(config, len(self.tenants) - len(release) + len(admit))
             if refusal is not None:
                 files.answer(attempt, "refused", error=refusal)
@@ -136,9 +139,9 @@ class SharedTrainer:
 
     @staticmethod
     def _gone(
-        files: TenantFiles, attempt: str, request: tuple[str, Any] | None, lease_s: float
+        files: TenantFiles, attempt: str, requested: str | None, lease_s: float
     ) -> str | None:
-        if request is None or request[0] != attempt:
+        if requested != attempt:
             return "withdrawn"
         age = files.lease_age(attempt)
         if age is None or age > lease_s:
@@ -152,11 +155,9 @@ class SharedTrainer:
                 f"(pools.tenants); Prefect queues runs on the concurrency limit "
                 f"primeflow-pool-{self.pool} when they go through `primeflow rl`"
             )
-        if config.trainer.lora is None or lora_of(config) != lora_of(self.config):
-            return f"the pools train adapters {lora_of(self.config)}: set the same trainer.lora"
-        if config.trainer.model != self.config.trainer.model:
-            return f"the pools train {self.config.trainer.model!r}, not {config.trainer.model!r}"
-        return None
+        assert self.config.trainer.model is not None
+        problems = misfits(self.config.trainer.model, lora_of(self.config), config)
+        return "; ".join(problems) if problems else None
 
     def _next_turn(self, release: list[tuple[str, str]]) -> str | None:
         """The tenant whose next step is committed and who trained least recently."""

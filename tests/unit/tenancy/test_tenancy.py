@@ -103,11 +103,13 @@ def test_only_a_running_pool_with_a_live_supervisor_is_found() -> None:
 
 def test_a_tenant_must_train_the_pools_model_and_adapter_shape() -> None:
     pool = record()
-    assert misfits(pool, tenant()) == []
-    assert misfits(pool, tenant(**{"trainer.lora.rank": 16})) == [
+    assert misfits(pool.model, pool.lora, tenant()) == []
+    assert misfits(pool.model, pool.lora, tenant(**{"trainer.lora.rank": 16})) == [
         "trainer.lora is {'rank': 16, 'alpha': 16.0, 'target_modules': "
         f"{sorted(tenant().trainer.lora.target_modules)}}}, the pools' adapters are {pool.lora}"  # type: ignore[union-attr]
     ]
     other = tenant(**{"model.name": "./elsewhere"})
-    assert [p.split(",")[0] for p in misfits(pool, other)] == ["trainer.model is './elsewhere'"]
+    assert [p.split(",")[0] for p in misfits(pool.model, pool.lora, other)] == [
+        "trainer.model is './elsewhere'"
+    ]
     assert time.time() - pool.started_at < 60
