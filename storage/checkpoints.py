@@ -341,6 +341,12 @@ def is_adapter(folder: Path) -> bool:
     return (folder / ADAPTER_CONFIG).is_file()
 
 
+def base_model_of(folder: Path) -> str | None:
+    """The base model a local adapter folder names (PEFT's `base_model_name_or_path`)."""
+    base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    return base if isinstance(base, str) and base else None
+
+
 def load_checkpoint_weights(local_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The full state dict of a fetched checkpoint (or any Hugging Face safetensors folder),
     or an adapter's tensors (PEFT's names) for an adapter folder.

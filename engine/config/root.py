@@ -145,6 +145,12 @@ class PrimeflowConfig(BaseConfig):
                 f"pools.name = {pools.name!r} shares pools between LoRA runs: set trainer.lora "
                 "(a full-weight run gets pools of its own: leave pools.name unset)"
             )
+        if self.sft.enabled and self.sft.full_weights:
+            raise ValueError(
+                f"sft.full_weights = true gives this run a base model of its own, but a "
+                f"tenant of pools.name = {pools.name!r} trains its adapter on the pools' model: "
+                "warm the base up before the pools start, or leave pools.name unset"
+            )
         if pools.heartbeat_s >= pools.lease_s:
             raise ValueError(
                 f"pools.heartbeat_s = {pools.heartbeat_s:g} must be shorter than pools.lease_s = "

@@ -35,6 +35,13 @@ class SftConfig(BaseConfig):
     """SFT warm-up: loss on assistant tokens only, packed rows of the trainer's `seq_len`."""
 
     enabled: Annotated[bool, Field(description="Run the SFT stage in `pipeline`.")] = True
+    full_weights: Annotated[
+        bool,
+        Field(
+            description="Train every weight in SFT even when `trainer.lora` is set; RL then "
+            "trains a fresh adapter on the SFT model, its base (LoRA RL on a warmed-up model)."
+        ),
+    ] = False
     data: SftDataConfig = SftDataConfig()
     max_steps: Annotated[int, Field(ge=1, description="SFT optimizer steps.")] = 300
     epochs: Annotated[

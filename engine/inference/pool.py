@@ -45,7 +45,7 @@ from engine.inference.reload_ext import commit_meta, is_delta, served_model_fold
 from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
 from engine.models.resolve import ModelPathError, looks_like_path, resolve_model
 from engine.models.tiny import default_cache_dir
-from storage.checkpoints import is_adapter
+from storage.checkpoints import base_model_of, is_adapter
 
 POOL_RECORD = "inference-pool.json"
 _PORT_IN_USE = "port already in use"
@@ -99,6 +99,9 @@ class InferencePool:
         self._held_uid: str | None = None
         #: The LoRA adapters the servers hold, once an adapter version is loaded.
         self._adapters: AdapterLineage | None = None
+        #: Where the servers' whole weights were last reloaded from (None: the model they
+        #: started with); an adapter trained on another base has that base brought in first.
+        self._base: str | None = None
         # One reload at a time (fetch included): interleaved ones could mix versions across
         # servers or race for the same cache folder.
         self._reload_lock = threading.Lock()
@@ -197,6 +200,7 @@ class InferencePool:
             self._write_record("stopped", servers)
         self.endpoints = []
         self._current_chain, self._held_uid, self._adapters = [], None, None
+        self._base = None
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -318,7 +322,9 @@ class InferencePool:
                 return version
             if is_adapter(folders[0]):
                 return self._swap_adapter(location, folders[0], version)
-            return self._reload_all(location, folders, version)
+            served = self._reload_all(location, folders, version)
+            self._base = location
+            return served
 
     def _local_chain(self, location: str, held_uid: str | None) -> list[Path]:
         """Local folders of `location`'s chain, full ones checked against the served model."""
@@ -333,7 +339,8 @@ class InferencePool:
 
     def _swap_adapter(self, location: str, folder: Path, version: int) -> int:
         """Serve LoRA adapter `folder` as policy `version` beside the base, without a pause
-        (`engine.inference.adapters`)."""
+        (`engine.inference.adapters`), once the servers hold the base it was trained on."""
+        self._serve_base(location, base_model_of(folder), version)
         if self._adapters is None:
             self._adapters = AdapterLineage(
                 self.model_name,
@@ -345,6 +352,27 @@ class InferencePool:
         served = self._adapters.swap(location, folder, version)
         self._held_uid = self._adapters.held_uid
         return served
+
+    def _serve_base(self, location: str, base: str | None, version: int) -> None:
+        """Bring in `base`, what adapter `location` was trained on, unless the servers hold it:
+        the model they started with (named as configured or by its folder) or the whole
+        checkpoint last reloaded. A LoRA RL run on a full-weight SFT's result names that
+        checkpoint: an evaluation of one of its adapters by a fresh pool loads it first."""
+        wanted = None if base in (None, self.config.model, self._model_path) else base
+        if wanted == self._base:
+            return
+        if wanted is None:
+            self._reload_all(str(self._served()), [self._served()], version)
+        else:
+            try:
+                folders = self._local_chain(wanted, None)
+            except (OSError, ValueError) as exc:
+                raise ReloadError(
+                    f"adapter {location} was trained on {wanted}, which the servers cannot "
+                    f"load: {exc}"
+                ) from exc
+            self._reload_all(wanted, folders, version)
+        self._base = wanted
 
     def _reload_all(self, location: str, folders: list[Path], version: int) -> int:
         """Load `folders` into every server; on any failure put the switched ones back."""

@@ -236,9 +236,10 @@ def checkpoint_names(served: str, packed: dict[str, list[str]]) -> list[str]:
 
     vLLM fuses some projections into one parameter (`qkv_proj` = q, k and v stacked along the
     output dimension; `gate_up_proj` = gate and up), as the model's `packed_modules_mapping`
-    says; every other parameter keeps its checkpoint name.
+    says; every other parameter keeps its checkpoint name. With runtime LoRA enabled, vLLM
+    wraps each adapted layer and its weight is `<layer>.base_layer.weight`.
     """
-    parts = served.split(".")
+    parts = served.replace(".base_layer.", ".").split(".")
     for index, part in enumerate(parts):
         if part in packed:
             return [".".join([*parts[:index], sub, *parts[index + 1 :]]) for sub in packed[part]]

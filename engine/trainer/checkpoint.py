@@ -269,9 +269,7 @@ class CheckpointWriter:
         sizes = {name: tensor.numel() for name, tensor in self._params}
         #: A LoRA run's checkpoint is its adapter (PEFT's folder, so a server can load it for
         #: an evaluation) and the adapter's optimizer state, small enough for rank 0 alone.
-        self._adapter = (
-            adapter_config(policy.lora, policy.config.name_or_path) if policy.lora else None
-        )
+        self._adapter = adapter_config(policy.lora, policy.adapter_base) if policy.lora else None
         self._one_writer = dist_info.world_size == 1 or self._adapter is not None
         self._owners = assign_owners(sizes, 1 if self._one_writer else dist_info.world_size)
         self._warming: threading.Thread | None = None

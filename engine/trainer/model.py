@@ -85,6 +85,9 @@ class PolicyModel(nn.Module):
 
     #: The adapters `build_policy` added (None: every weight trains).
     lora: LoraConfig | None = None
+    #: What the adapters apply to, as configured (`engine.trainer.worker.adapter_base`; by
+    #: default where the model was loaded from): every adapter's `base_model_name_or_path`.
+    adapter_base: str
 
     def __init__(self, causal_lm: PreTrainedModel) -> None:
         super().__init__()
@@ -98,6 +101,7 @@ class PolicyModel(nn.Module):
         self.add_module(head_name, head)
         self.head_name = head_name
         self.config = causal_lm.config
+        self.adapter_base = causal_lm.config.name_or_path
 
     @property
     def base(self) -> nn.Module:

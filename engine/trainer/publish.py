@@ -391,7 +391,7 @@ class AdapterPublisher(PolicyPublisher):
         super().__init__(*args, **kwargs)
         lora = self.policy.lora
         assert lora is not None, "AdapterPublisher needs a policy built with trainer.lora"
-        self._adapter = adapter_config(lora, self.policy.config.name_or_path)
+        self._adapter = adapter_config(lora, self.policy.adapter_base)
 
     def publish(self, step: int) -> dict[str, float]:
         """Snapshot the adapter as version `step` and write it in the background (collective)."""

@@ -194,14 +194,9 @@ class Trainer:
 
 def initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | None]:
     """(the model to load, the adapter to load into it) for `init_checkpoint` `folder`: a
-    whole model, or a LoRA adapter on `trainer.model` (a LoRA SFT's result)."""
+    whole model (for a LoRA run, the base a fresh adapter trains on: a full-weight SFT's
+    result), or a LoRA adapter on `trainer.model` (a LoRA SFT's result)."""
     if not is_adapter(folder):
-        if config.lora is not None:
-            raise ValueError(
-                f"trainer.init_checkpoint {folder} holds whole weights, but trainer.lora trains "
-                "adapters on trainer.model: start from an adapter (a LoRA SFT) or from no "
-                "checkpoint"
-            )
         return str(folder), None
     if config.lora is None:
         raise ValueError(
@@ -210,6 +205,18 @@ def initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | No
         )
     assert config.model is not None
     return config.model, folder
+
+
+def adapter_base(config: TrainerConfig, folder: Path | None) -> str:
+    """What a LoRA run's adapters are trained on, as configured: `trainer.init_checkpoint`
+    when it holds whole weights (`folder` is its local copy), else `trainer.model`. Every
+    adapter the run writes names it (`base_model_name_or_path`), so that a server can bring
+    that base in before serving the adapter."""
+    if folder is not None and not is_adapter(folder):
+        assert config.init_checkpoint is not None
+        return config.init_checkpoint
+    assert config.model is not None
+    return config.model
 
 
 def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
@@ -226,12 +233,12 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
         revision=config.model.revision,
         lora=trainer_config.lora,
     )
-    weights = trainer_config.model
-    if trainer_config.init_checkpoint is not None:
-        weights, _ = initial_weights(trainer_config, init_folder(config))
+    folder = init_folder(config)
+    weights = trainer_config.model if folder is None else initial_weights(trainer_config, folder)[0]
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
+    policy.adapter_base = adapter_base(trainer_config, folder)
     if policy.lora is not None:
         load_start_adapter(policy, config)
     on_gpu = dist.device.type == "cuda"
@@ -247,19 +254,30 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
 def load_start_adapter(policy: PolicyModel, config: PrimeflowConfig) -> None:
     """A LoRA run's first adapter: `trainer.init_checkpoint`'s (a LoRA SFT's result), or a
     fresh one drawn from `run.seed` alone, so that a run starts from the same adapter on a
-    trainer of its own and as a tenant of shared pools."""
-    if config.trainer.init_checkpoint is None:
+    trainer of its own and as a tenant of shared pools.
+
+    A fresh adapter on a whole-weight `init_checkpoint` trains on that checkpoint, so the
+    model loaded must be it: a tenant of shared pools, whose model is the pools', is refused.
+    """
+    folder = init_folder(config)
+    whole = folder is not None and not is_adapter(folder)
+    if whole and adapter_base(config.trainer, folder) != policy.adapter_base:
+        raise ValueError(
+            f"trainer.init_checkpoint {config.trainer.init_checkpoint} holds whole weights, a "
+            f"base of this run's own, but the adapter trains on {policy.adapter_base}: start "
+            "from an adapter (a LoRA SFT's result) or from no checkpoint"
+        )
+    if folder is None or whole:
         shapes = {name: tuple(p.shape) for name, p in policy.trainable()}
         load_adapter(policy, published(fresh_adapter(shapes, config.run.seed)))
         return
-    _, adapter = initial_weights(config.trainer, init_folder(config))
-    assert adapter is not None  # initial_weights refuses whole weights for a LoRA run
-    load_adapter(policy, load_checkpoint_weights(adapter))
+    load_adapter(policy, load_checkpoint_weights(folder))
 
 
-def init_folder(config: PrimeflowConfig) -> Path:
-    """`trainer.init_checkpoint` as a local folder (fetched when remote)."""
-    assert config.trainer.init_checkpoint is not None
+def init_folder(config: PrimeflowConfig) -> Path | None:
+    """`trainer.init_checkpoint` as a local folder (fetched when remote); None when unset."""
+    if config.trainer.init_checkpoint is None:
+        return None
     return local_checkpoint(config.trainer.init_checkpoint, default_cache_dir(), config.storage)
 
 
@@ -478,10 +496,12 @@ def in_process_group(config: PrimeflowConfig, run: RankMain) -> None:
 
 
 def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
-    """Run `stage` on this rank (SFT is never pinned: it has no inference beside it)."""
+    """Run `stage` on this rank. SFT is never pinned (it has no inference beside it), and
+    trains every weight when `sft.full_weights` says so."""
     if stage == "sft":
+        lora = None if config.sft.full_weights else config.trainer.lora
         config = config.model_copy(
-            update={"trainer": config.trainer.model_copy(update={"cpu_cores": None})}
+            update={"trainer": config.trainer.model_copy(update={"cpu_cores": None, "lora": lora})}
         )
     in_process_group(config, run_sft if stage == "sft" else run_rl)
 

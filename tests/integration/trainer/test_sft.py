@@ -6,6 +6,7 @@ import json
 import logging
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from engine.config.trainer import LoraConfig
 from engine.run import run_store as open_run_store
 from engine.run import stage_store
 from engine.trainer.checkpoint import latest_checkpoint
-from engine.trainer.worker import run_stage
+from engine.trainer.worker import load_start_adapter, run_stage
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.commit import committed_steps, read_commit, verify_step
 from storage.layout import RunLayout
@@ -132,3 +133,58 @@ def test_lora_sft_learns_and_rl_goes_on_from_its_adapter(
     assert version0.keys() == start.keys()
     assert all(torch.equal(version0[name], start[name]) for name in start)
     assert committed_steps(run, RunLayout.POLICIES)[-1] == 2
+
+
+def test_full_weight_sft_then_lora_rl_trains_a_fresh_adapter_on_its_result(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`sft.full_weights` with `trainer.lora`: SFT commits whole weights, and an RL stage
+    started from that result trains a fresh adapter on it (LoRA RL on a warmed-up model):
+    every adapter names the SFT checkpoint as its base, and the first step sees exactly the
+    SFT model (a full-weight RL from the same checkpoint computes the same first loss)."""
+    write_data(tmp_path / "data.jsonl", 200)
+    lora = {"rank": 8, "alpha": 16.0}
+    config = sft_config(tmp_path, tiny_model_dir, 10)
+    config = config.model_copy(
+        update={
+            "trainer": config.trainer.model_copy(update={"lora": LoraConfig(**lora)}),
+            "sft": config.sft.model_copy(update={"full_weights": True}),
+        }
+    )
+    run_stage(config, "sft")
+    sft = stage_store(open_run_store(config), "sft")
+    files = set(read_commit(sft, RunLayout.checkpoint_dir(10)).files)
+    assert "model.safetensors" in files and "adapter_config.json" not in files
+    base = sft.url(RunLayout.checkpoint_dir(10))
+
+    def rl(name: str, **trainer: object) -> PrimeflowConfig:
+        rl = make_config(
+            tmp_path,
+            tiny_model_dir,
+            name,
+            max_steps=2,
+            trainer={"init_checkpoint": base, **trainer},
+        )
+        write_steps(rl, range(1, 3))
+        run_stage(rl, "rl")
+        return rl
+
+    on_sft = rl("lora-on-sft", lora=lora)
+    full = rl("full-from-sft")
+    store = open_run_store(on_sft)
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in (0, 2):
+            folder = fetch_checkpoint(store, step, Path(tmp) / str(step), parent=RunLayout.POLICIES)
+            assert (
+                json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+                == base
+            )
+        version0 = load_checkpoint_weights(Path(tmp) / "0")
+    assert all(not tensor.any() for name, tensor in version0.items() if ".lora_B." in name)
+    first = read_metrics(store, "rl")[0]
+    assert first["loss"] == pytest.approx(read_metrics(open_run_store(full), "rl")[0]["loss"])
+
+    # A run whose model is another base (a tenant of shared pools) cannot start a fresh
+    # adapter on these whole weights: it would train on the wrong model.
+    with pytest.raises(ValueError, match="holds whole weights"):
+        load_start_adapter(SimpleNamespace(adapter_base=str(tiny_model_dir)), on_sft)  # type: ignore[arg-type]

@@ -51,6 +51,13 @@ def test_fused_names_expand_in_stacking_order() -> None:
     assert checkpoint_names("model.norm.weight", PACKED) == ["model.norm.weight"]
 
 
+def test_a_layer_wrapped_for_runtime_lora_is_compared_with_its_base_weight() -> None:
+    assert checkpoint_names("model.layers.0.mlp.gate_up_proj.base_layer.weight", PACKED) == [
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
+
+
 def test_served_weights_loaded_from_the_checkpoint_compare_equal() -> None:
     tensors = checkpoint()
     report = compare_served(iter(served_from(tensors).items()), tensors, PACKED)

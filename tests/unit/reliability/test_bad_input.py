@@ -88,6 +88,7 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("pools-full-weights", '[pools]\nname = "shared"', [], r"{file}: pools\.name = 'shared' shares pools between LoRA runs: set trainer\.lora \(a full-weight run gets pools of its own: leave pools\.name unset\)"),
     ("pools-lease-shorter-than-heartbeat", '[pools]\nname = "shared"\nlease_s = 1.0\nheartbeat_s = 2.0\n[trainer.lora]\nrank = 8', [], r"{file}: pools\.heartbeat_s = 2 must be shorter than pools\.lease_s = 1, or a live tenant's lease would lapse"),
     ("pools-name", '[pools]\nname = "a/b"', [], r"{file}: pools\.name: .*must not contain '/'"),
+    ("pools-full-weight-sft", '[pools]\nname = "shared"\n[trainer.lora]\nrank = 8\n[sft]\nfull_weights = true', [], r"{file}: sft\.full_weights = true gives this run a base model of its own, but a tenant of pools\.name = 'shared' trains its adapter on the pools' model: warm the base up before the pools start, or leave pools\.name unset"),
     ("inference-device", '[inference]\ndevice = "tpu"', [], r"{file}: inference\.device: Input should be 'auto', 'cpu' or 'cuda' \(got 'tpu'\)"),
     ("config-file-missing", None, ["@", "/nonexistent/x.toml"], r"/nonexistent/x\.toml: config file not found"),
     ("config-file-not-toml", None, ["@", "{json}"], r"{json}: config files must be TOML \(\.toml\)"),
