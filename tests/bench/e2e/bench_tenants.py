@@ -12,6 +12,8 @@ second are read from each tenant's committed trainer metrics, leaving its first
 all of them were training, over that window.
 
     python -m tests.bench.e2e.bench_tenants --steps 12 --out bench_tenants.json      # one GPU
+    python -m tests.bench.e2e.bench_tenants --steps 14 --mps -- --trainer.compile true \
+        --trainer.micro-batch-tokens 16384                    # under MPS, compiled trainer
     # the instrument itself on a CPU machine, with the tiny shared pools of the example:
     python -m tests.bench.e2e.bench_tenants --config configs/multi_tenant/pools.toml \
         --model primeflow/tiny-qwen3 --steps 5 -- --orchestrator.batch-size 8
@@ -27,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,21 @@ POOLS = "bench"
 #: A small tenant: 4 prompts × 8 samples a step.
 SMALL = ["--orchestrator.batch-size", "32", "--orchestrator.rollouts-per-example", "8"]
 LORA = ["--trainer.lora.rank", "16", "--trainer.lora.alpha", "32"]
+
+
+@contextmanager
+def mps_daemon(folder: Path) -> Iterator[None]:
+    """An NVIDIA MPS server for this process and its children (the pools and the tenants):
+    their kernels then share the GPU at once instead of time-slicing it. Its pipe and log
+    folders are private, so no other process on the machine connects to it."""
+    folder.mkdir(parents=True)
+    os.environ["CUDA_MPS_PIPE_DIRECTORY"] = str(folder)
+    os.environ["CUDA_MPS_LOG_DIRECTORY"] = str(folder)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, timeout=60)
+    try:
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=60)
 
 
 def tenant_main(config_path: str) -> None:
@@ -111,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=12, help="RL steps of each tenant")
     parser.add_argument("--workdir", default=None, help="a fresh folder is made in it")
     parser.add_argument("--out", default=None, help="write the JSON result here too")
+    parser.add_argument("--mps", action="store_true", help="run everything under NVIDIA MPS")
     parser.add_argument("overrides", nargs="*", help="extra config flags, after --")
     args = parser.parse_args(argv)
     if args.tenant:
@@ -123,22 +142,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     files = args.config or [str(path) for path in CONFIGS]
     extra = [*LORA, *SMALL, "--pools.name", POOLS, "--pools.tenants", "2", *args.overrides]
     config = bench_config(files, workdir, args.model, args.steps, extra)
-    pools = SharedPools(config)
-    started = time.perf_counter()
-    pools.start()
-    startup_s = time.perf_counter() - started
-    stop = threading.Event()
-    supervisor = threading.Thread(target=pools.serve, args=(stop,), daemon=True)
-    supervisor.start()
-    try:
-        alone = run_tenants(config, ["alone"], workdir)
-        together = run_tenants(config, ["first", "second"], workdir)
-    finally:
-        stop.set()
-        supervisor.join()
-        pools.stop()
+    with mps_daemon(workdir / "mps") if args.mps else nullcontext():
+        pools = SharedPools(config)
+        started = time.perf_counter()
+        pools.start()
+        startup_s = time.perf_counter() - started
+        stop = threading.Event()
+        supervisor = threading.Thread(target=pools.serve, args=(stop,), daemon=True)
+        supervisor.start()
+        try:
+            alone = run_tenants(config, ["alone"], workdir)
+            together = run_tenants(config, ["first", "second"], workdir)
+        finally:
+            stop.set()
+            supervisor.join()
+            pools.stop()
     result = {
         **run_facts(config, args.model, args.steps),
+        "mps": args.mps,
         "pools_startup_s": startup_s,
         "alone": alone,
         "together": together,

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config.trainer import LoraConfig
+from engine.config import load_config
 from engine.models.resolve import resolve_model
 from engine.process_groups import GROUPS_FILE
 from engine.tenancy import TenantFiles, pool_dir, read_pool_record
@@ -38,12 +38,18 @@ POOLS = "it-shared"
 STEPS = 5
 CONFIGS = REPO_ROOT / "configs" / "multi_tenant"
 EXE = str(Path(sys.executable).with_name("primeflow"))
-LEASE = f"""
+#: On top of the example's configs, for the pools and every tenant: the offline tiny model as
+#: the base (the example's is made by a 4-minute SFT) and short leases.
+SHARED = f"""
+[model]
+name = "primeflow/tiny-qwen3"
 [pools]
 name = "{POOLS}"
 lease_s = 6.0
 heartbeat_s = 1.0
 """
+#: The adapters' shape, the example's.
+LORA = load_config(["@", str(CONFIGS / "pools.toml")]).trainer.lora
 
 
 @dataclass
@@ -71,7 +77,7 @@ def shared_pools(
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PRIMEFLOW_HOME": str(home)}
     overlay = write(
         home / "pools-test.toml",
-        LEASE + '[inference]\nkv_cache_gb = 0.25\ndtype = "float32"\nextra_args = ["-O0"]\n',
+        SHARED + '[inference]\nkv_cache_gb = 0.25\ndtype = "float32"\nextra_args = ["-O0"]\n',
     )
     log = (home / "pools-up.log").open("wb")
     process = subprocess.Popen(
@@ -117,12 +123,13 @@ def tenant(pools: SharedPools, tmp: Path, name: str, env: str, seed: int) -> sub
     start = ObjectStore(f"file://{folder}").url(RunLayout.checkpoint_dir(0))
     if not folder.exists():
         model = Path(resolve_model("primeflow/tiny-qwen3"))
-        random_adapter(model, LoraConfig(rank=8, alpha=16.0), folder, seed=seed)
+        assert LORA is not None
+        random_adapter(model, LORA, folder, seed=seed)
     overlay = write(
         tmp / f"{name}.toml",
         f"""max_steps = {STEPS}
 seq_len = 256
-{LEASE}
+{SHARED}
 [run]
 name = "{name}"
 [storage]
@@ -136,6 +143,7 @@ lr = 1e-2
 [orchestrator]
 batch_size = 8
 rollouts_per_example = 4
+max_concurrent = 16      # two batches in flight: the kill below finds steps still to train
 [orchestrator.sampling]
 max_tokens = 24
 """,

@@ -13,8 +13,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config import PrimeflowConfig, load_config
+from engine.envs import alphabet_sort
 from engine.envs.reverse_text import make_splits, prompt_messages, sft_examples
 from engine.models.char_tokenizer import write_tokenizer
+from engine.models.tiny import TinyModelSpec, write_tiny_model
 from flows.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,6 +32,8 @@ COMBINATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("qwen3_0_6b/reverse_text.toml",)),
     ("pipeline", ("qwen3_0_6b/reverse_text.toml", "qwen3_0_6b/one_gpu.toml")),
     ("pipeline", ("reverse_text/gpu.toml",)),
+    ("pipeline", ("alphabet_sort/lora.toml",)),
+    ("sft", ("multi_tenant/base.toml",)),
     ("pools up", ("multi_tenant/pools.toml",)),
     ("pipeline", ("multi_tenant/tenant.toml", "multi_tenant/reverse_text.toml")),
     ("pipeline", ("multi_tenant/tenant.toml", "multi_tenant/alphabet_sort.toml")),
@@ -50,8 +54,20 @@ def test_every_shipped_config_is_covered() -> None:
     assert shipped == covered
 
 
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder to run the commands from, holding the shared pools' base (base.toml's result,
+    which the tenant configs name by its path) as a model folder."""
+    folder = tmp_path_factory.mktemp("checkout")
+    write_tiny_model(folder / load("multi_tenant/pools.toml").model.name, TinyModelSpec())
+    return folder
+
+
 @pytest.mark.parametrize(("command", "files"), COMBINATIONS, ids=lambda v: str(v))
-def test_dry_run_resolves(command: str, files: tuple[str, ...], capsys) -> None:
+def test_dry_run_resolves(
+    command: str, files: tuple[str, ...], checkout: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(checkout)
     assert main([*command.split(), *_args(files), "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert PrimeflowConfig.model_validate(resolved).model_dump(mode="json") == resolved
@@ -169,3 +185,38 @@ def test_qwen3_one_gpu_overlay_shares_the_card() -> None:
             assert getattr(config, field) == getattr(base, field), field
     assert config.trainer.optim == base.trainer.optim
     assert config.inference.model == base.inference.model
+
+
+def test_alphabet_sort_lora_example_warms_every_weight_then_trains_an_adapter(
+    tiny_tokenizer,
+) -> None:
+    """Issue 18's LoRA example: multi-turn alphabet-sort, a full-weight SFT warm-up (LoRA
+    cannot move the random tiny model), LoRA RL on its result, held-out before and after."""
+    config = load("alphabet_sort/lora.toml")
+    assert config.model.name == "primeflow/tiny-qwen3" and config.trainer.lora is not None
+    assert config.sft.enabled and config.sft.full_weights
+    assert config.sft.data.env == "alphabet-sort"
+    assert [env.id for env in config.orchestrator.envs] == ["alphabet-sort"]
+    assert [env.id for env in config.eval.envs] == ["alphabet-sort"]
+    assert config.eval.sampling.temperature == config.orchestrator.sampling.temperature
+    # Nothing is cut: the longest SFT conversation, and the longest two-turn rollout (prompt,
+    # both replies at max_tokens, the second user turn), fit seq_len.
+    rows = alphabet_sort.sft_examples(2000, seed=config.run.seed)
+    longest = max(
+        len(tiny_tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
+        for row in rows
+    )
+    assert longest <= config.seq_len
+    worst = max(
+        len(
+            tiny_tokenizer.apply_chat_template(
+                [m if m["role"] == "user" else {**m, "content": ""} for m in row["messages"]],
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for row in rows
+    )
+    assert worst + 2 * config.orchestrator.sampling.max_tokens <= config.seq_len
+    assert config.trainer.micro_batch_tokens is not None
+    assert config.trainer.micro_batch_tokens >= config.sft.batch_size * config.seq_len
