@@ -231,6 +231,31 @@ def repack_tied_heads(model: torch.nn.Module) -> int:
     return repacked
 
 
+def wrapped_for_lora(model: torch.nn.Module) -> set[str]:
+    """The layers runtime LoRA wrapped whose weights this vLLM loads only under the wrapped
+    layer's name (`<layer>.base_layer.<leaf>`): vLLM 0.26's LoRA layers have no `load_weights`
+    of their own; later releases forward checkpoint names to the wrapped layer themselves."""
+    return {
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "base_layer", None), torch.nn.Module)
+        and not callable(getattr(type(module), "load_weights", None))
+    }
+
+
+def under_wrapped_names(
+    weights: Iterator[tuple[str, torch.Tensor]], wrapped: set[str], packed: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors renamed `<layer>.base_layer.<leaf>` where their served layer (the
+    fused one for a packed projection: `q_proj` is in `qkv_proj`) is one of `wrapped`."""
+    fused = {sub: whole for whole, subs in packed.items() for sub in subs}
+    for name, tensor in weights:
+        layer, _, leaf = name.rpartition(".")
+        parent, _, last = layer.rpartition(".")
+        served = f"{parent}.{fused.get(last, last)}" if parent else fused.get(last, last)
+        yield (f"{layer}.base_layer.{leaf}" if served in wrapped else name), tensor
+
+
 def checkpoint_names(served: str, packed: dict[str, list[str]]) -> list[str]:
     """The checkpoint tensors a served parameter is made of, in the order vLLM stacks them.
 
@@ -382,6 +407,11 @@ class WeightReloadExtension:
         return self._primeflow_targets is not None or self._primeflow_mirror is not None
 
     def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        wrapped = wrapped_for_lora(model)
+        if wrapped:  # a base model's weights into a server with runtime LoRA, on vLLM 0.26
+            packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+            weights = under_wrapped_names(weights, wrapped, packed)
         # The worker's own `reload_weights` sets vLLM's current config around the runner's.
         self.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=weights, is_checkpoint_format=True

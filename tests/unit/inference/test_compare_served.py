@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.inference.reload_ext import checkpoint_names, compare_served, inplace_targets
+from engine.inference.reload_ext import (
+    checkpoint_names,
+    compare_served,
+    inplace_targets,
+    under_wrapped_names,
+)
 from storage.deltas import apply_entries, decode_delta, delta_between
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -121,3 +126,22 @@ def test_parameters_a_backend_transformed_are_not_targets() -> None:
     assert inplace_targets(iter(served.items()), shapes, torch.float16, PACKED) is None
     sharded = {**served, "model.norm.weight": served["model.norm.weight"][:2]}
     assert inplace_targets(iter(sharded.items()), shapes, torch.bfloat16, PACKED) is None
+
+
+def test_a_base_loads_under_the_names_of_the_layers_runtime_lora_wrapped() -> None:
+    """vLLM 0.26 loads a LoRA-wrapped layer's weight only as `<layer>.base_layer.weight`."""
+    wrapped = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"}
+    weights = [
+        ("model.layers.0.self_attn.k_proj.weight", torch.ones(1)),
+        ("model.layers.0.mlp.down_proj.weight", torch.ones(1)),
+        ("model.layers.0.mlp.up_proj.weight", torch.ones(1)),  # its layer is not wrapped here
+        ("model.norm.weight", torch.ones(1)),
+    ]
+    renamed = [name for name, _ in under_wrapped_names(iter(weights), wrapped, PACKED)]
+    assert renamed == [
+        "model.layers.0.self_attn.k_proj.base_layer.weight",
+        "model.layers.0.mlp.down_proj.base_layer.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.norm.weight",
+    ]
+    assert checkpoint_names(renamed[0].replace("k_proj", "qkv_proj"), PACKED)[1] == weights[0][0]
