@@ -48,6 +48,8 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """Deploy, then run one process worker for the module; yields the worker's PRIMEFLOW_HOME."""
     home = tmp_path_factory.mktemp("worker-home")
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PRIMEFLOW_HOME": str(home)}
+    # A new flow run is picked up within a second, not within the default 10 s query interval.
+    env["PREFECT_WORKER_QUERY_SECONDS"] = "1"
     exe = Path(sys.executable).with_name("primeflow")
     deployed = subprocess.run(
         [str(exe), "deploy"], capture_output=True, text=True, timeout=300, env=env
