@@ -139,6 +139,7 @@ def _pools_up(argv: list[str], dry_run: bool) -> int:
     from flows import server
 
     config = load_config(argv, prog="primeflow pools up")
+    check_machine(config, sft=False)  # a missing base model is one line, before Prefect
     if dry_run:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -154,6 +155,9 @@ def _pools_up(argv: list[str], dry_run: bool) -> int:
         shared_pools(config=config)
     except KeyboardInterrupt:
         print(f"shared pools {config.pools.name!r} stopped")
+    except Exception as exc:
+        print(f"primeflow pools up: the pools flow failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

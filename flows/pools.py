@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.client.schemas.objects import FlowRun, State
 
 from engine.config import PrimeflowConfig, with_overrides
+from engine.preflight import preflight
 from engine.process_groups import kill_recorded_groups
 from engine.tenancy import pool_dir
 from tasks.pools import start_shared_pools, stop_shared_pools
@@ -53,6 +54,9 @@ def shared_pools(
     config = with_overrides(config, overrides or {})
     if config.pools.name is None:
         raise ValueError("set pools.name: the name tenants use to find these pools")
+    problems = preflight(config, sft=False)  # e.g. a base model folder not made yet
+    if problems:
+        raise ValueError("; ".join(problems))
     pools = start_shared_pools(config)
     stop = threading.Event()
     if stop_after_s > 0:

@@ -16,7 +16,9 @@ from engine.config.loader import union_field_paths
 from flows.cli import COMMANDS, EXIT_USAGE, main
 
 
-def primeflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def primeflow(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the installed console script in a fresh process, the way a user does."""
     exe = Path(sys.executable).with_name("primeflow")
     return subprocess.run(
@@ -25,7 +27,7 @@ def primeflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
         text=True,
         timeout=120,
         cwd=cwd,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
     )
 
 
@@ -57,6 +59,24 @@ def test_bad_config_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> No
     assert str(bad) in lines[0] and "orchestrator.batch_size" in lines[0]
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_pools_up_without_its_base_model_is_one_line_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """The example's pools serve a base made by another command first: run without it, `pools
+    up` says which folder is missing (exit 2) and starts no Prefect server and no pool."""
+    config = Path(__file__).resolve().parents[3] / "configs" / "multi_tenant" / "pools.toml"
+    home = tmp_path / "home"
+    result = primeflow(
+        "pools", "up", "@", str(config), cwd=tmp_path, env={"PRIMEFLOW_HOME": str(home)}
+    )
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.strip() == (
+        "primeflow pools: model.name: model path "
+        "./runs/tiny-shared-base/sft/checkpoints/step_000400 does not exist"
+    )
+    assert result.stdout == "" and not home.exists()
 
 
 def test_unknown_flag_and_unknown_command(capsys) -> None:
