@@ -24,7 +24,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.objects import FlowRun
-from prefect.events.filters import EventFilter, EventNameFilter
+from prefect.events import Event
+from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
 from prefect.states import Cancelling
 
 from engine.config import load_config
@@ -55,6 +56,10 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         [str(exe), "deploy"], capture_output=True, text=True, timeout=300, env=env
     )
     assert deployed.returncode == 0, deployed.stderr + deployed.stdout
+    # Every checkpoint these runs commit would start an `evaluate/on-checkpoint` run on this
+    # worker, with a vLLM server of its own, beside the run under test: its trigger is paused
+    # for the module (test_deployments.py tests it).
+    asyncio.run(checkpoint_trigger(paused=True))
     log = (home / "worker.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "primeflow-local"],
@@ -73,6 +78,22 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
+        asyncio.run(checkpoint_trigger(paused=False))
+
+
+async def checkpoint_trigger(*, paused: bool) -> None:
+    """Pause or resume the automations of the `evaluate/on-checkpoint` deployment."""
+    async with get_client() as client:
+        deployment = await client.read_deployment_by_name("evaluate/on-checkpoint")
+        automations = await client.read_resource_related_automations(
+            f"prefect.deployment.{deployment.id}"
+        )
+        assert automations, "evaluate/on-checkpoint has no trigger to pause"
+        for automation in automations:
+            if paused:
+                await client.pause_automation(automation.id)
+            else:
+                await client.resume_automation(automation.id)
 
 
 def start_run(run_name: str, runs: Path, **overrides: Any) -> UUID:
@@ -133,6 +154,28 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def checkpoint_events(run: str, stage: str) -> list[Event]:
+    """Every checkpoint event of `run`'s `stage`, all pages (other modules' runs share the
+    server, so a first page of every checkpoint event may hold none of this run's)."""
+
+    async def read() -> list[Event]:
+        async with get_client() as client:
+            page = await client.read_events(
+                filter=EventFilter(
+                    event=EventNameFilter(name=[CHECKPOINT_EVENT]),
+                    any_resource=EventAnyResourceFilter(id=[f"primeflow.run.{run}"]),
+                ),
+                limit=50,
+            )
+            events = list(page.events)
+            while page.next_page:
+                page = await client.read_events_page(str(page.next_page))
+                events += page.events
+            return [event for event in events if event.payload.get("stage") == stage]
+
+    return asyncio.run(read())
 
 
 def final_state(flow_run_id: UUID, timeout_s: float) -> FlowRun:
@@ -199,9 +242,9 @@ def test_killed_flow_process_then_rerun_resumes_and_completes(worker: Path, tmp_
         if step in committed_steps(store, RunLayout.CHECKPOINTS):
             assert read_commit(store, RunLayout.checkpoint_dir(step)).created_at == created
 
-    async def artifacts_and_events() -> tuple[list, list, list]:
+    async def artifacts() -> list[list]:
         async with get_client() as client:
-            summary, plot = [
+            return [
                 await client.read_artifacts(
                     artifact_filter=ArtifactFilter(
                         key=ArtifactFilterKey(any_=[artifact_key("resume-me", kind)])
@@ -209,19 +252,20 @@ def test_killed_flow_process_then_rerun_resumes_and_completes(worker: Path, tmp_
                 )
                 for kind in ("summary", "reward-plot")
             ]
-            page = await client.read_events(
-                filter=EventFilter(event=EventNameFilter(name=[CHECKPOINT_EVENT])), limit=50
-            )
-            return summary, plot, [e for e in page.events if e.payload.get("run") == "resume-me"]
 
-    summary, plot, events = asyncio.run(artifacts_and_events())
+    summary, plot = asyncio.run(artifacts())
     assert summary and "Reward on the held-out split" in str(summary[0].data)
     # The plot is an image the UI draws: a data: URL holding the run's own PNG.
     assert plot and plot[0].type == "image"
     header, encoded = str(plot[0].data).split(",", 1)
     assert header == "data:image/png;base64"
     assert base64.b64decode(encoded) == (runs / "resume-me" / "report" / "reward.png").read_bytes()
-    assert {e.payload["step"] for e in events if e.payload["stage"] == "rl"} >= {max_steps}
+    # The server takes events in the background: the last checkpoint's may land a moment late.
+    wait_until(
+        lambda: max_steps in {e.payload["step"] for e in checkpoint_events("resume-me", "rl")},
+        30,
+        "the last RL checkpoint's event",
+    )
 
     # Run it once more: everything is committed, so no server or trainer starts (their logs
     # and the pool's record are not touched) and the run completes again.
