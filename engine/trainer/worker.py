@@ -192,19 +192,20 @@ class Trainer:
             log.info("%s step %d %s", self.stage, step, json.dumps(shown, sort_keys=True))
 
 
-def initial_weights(config: TrainerConfig, folder: Path) -> tuple[str, Path | None]:
-    """(the model to load, the adapter to load into it) for `init_checkpoint` `folder`: a
+def initial_weights(config: TrainerConfig, folder: Path) -> str:
+    """The model to load for `init_checkpoint` `folder`: the folder itself when it holds a
     whole model (for a LoRA run, the base a fresh adapter trains on: a full-weight SFT's
-    result), or a LoRA adapter on `trainer.model` (a LoRA SFT's result)."""
+    result), else `trainer.model`, which the folder's LoRA adapter (a LoRA SFT's result) is
+    then loaded into."""
     if not is_adapter(folder):
-        return str(folder), None
+        return str(folder)
     if config.lora is None:
         raise ValueError(
             f"trainer.init_checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
             "training it"
         )
     assert config.model is not None
-    return config.model, folder
+    return config.model
 
 
 def adapter_base(config: TrainerConfig, folder: Path | None) -> str:
@@ -234,7 +235,7 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
         lora=trainer_config.lora,
     )
     folder = init_folder(config)
-    weights = trainer_config.model if folder is None else initial_weights(trainer_config, folder)[0]
+    weights = trainer_config.model if folder is None else initial_weights(trainer_config, folder)
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
