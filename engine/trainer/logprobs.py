@@ -51,6 +51,8 @@ def _grad_logits(logits: Tensor, targets: Tensor, inv_temp: Tensor, grad: Tensor
 
 # On GPU the element-wise math over [t, V] runs as fused kernels: one or two passes over the
 # bf16 logits instead of ~10 passes over fp32 copies, which is most of the LM head's cost.
+# The last chunk's length follows the step's token count: after the first two lengths torch
+# compiles for any length (a graph per length would recompile in most steps).
 _FUSED: dict[str, object] = {}
 
 
@@ -58,7 +60,7 @@ def _fused(name: str, fn: object, device: torch.device) -> object:
     if device.type != "cuda":
         return fn
     if name not in _FUSED:
-        _FUSED[name] = torch.compile(fn, dynamic=False)
+        _FUSED[name] = torch.compile(fn, dynamic=None)
     return _FUSED[name]
 
 

@@ -113,12 +113,10 @@ def sampling_alone(config: PrimeflowConfig, pool: InferencePool, repeats: int) -
     return {"batch_s": seconds, "batch_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
-def the_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
-    """Run the RL steps; per step, the trainer's and the orchestrator's timings."""
-    started = run_rl(config, pool, "trainer")
-    store = run_store(config)
-    train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
-    steps = [
+def step_times(train: list[dict], orch: list[dict], started: float) -> list[dict[str, Any]]:
+    """Per committed step of one run: its interval and its parts (`STEP_TIMES`), from the
+    trainer's (`train`) and the orchestrator's (`orch`) metrics; `started`: the run's start."""
+    return [
         {
             "step": t["step"],
             "interval_s": t["time"] - previous["time"] if previous else t["time"] - started,
@@ -134,7 +132,14 @@ def the_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
         }
         for previous, t, o in zip([None, *train[:-1]], train, orch, strict=True)
     ]
-    return {"wall_s": train[-1]["time"] - started, "steps": steps}
+
+
+def the_loop(config: PrimeflowConfig, pool: InferencePool) -> dict[str, Any]:
+    """Run the RL steps; per step, the trainer's and the orchestrator's timings."""
+    started = run_rl(config, pool, "trainer")
+    store = run_store(config)
+    train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
+    return {"wall_s": train[-1]["time"] - started, "steps": step_times(train, orch, started)}
 
 
 def training_alone(config: PrimeflowConfig, workdir: Path) -> dict[str, Any]:

@@ -9,10 +9,12 @@ Each tenant is a process of its own (as `primeflow rl` with `pools.name` would b
 the RL stage through `engine.stages.run_rl` on its view of the shared servers. Steps per
 second are read from each tenant's committed trainer metrics, leaving its first
 `WARMUP_STEPS` out; together, the aggregate is every tenant's steps inside the window in which
-all of them were training, over that window.
+all of them were training, over that window. `--rounds N` measures alone-then-together N
+times on the same pools and reports the median ratio, each round's, and a table of the median
+step parts (the trainer's and the orchestrator's, as `bench_gpu_rl` breaks a step down).
 
     python -m tests.bench.e2e.bench_tenants --steps 12 --out bench_tenants.json      # one GPU
-    python -m tests.bench.e2e.bench_tenants --steps 14 --mps -- --trainer.compile true \
+    python -m tests.bench.e2e.bench_tenants --steps 14 --rounds 2 --mps -- --trainer.compile true \
         --trainer.micro-batch-tokens 16384                    # under MPS, compiled trainer
     # the instrument itself on a CPU machine, with the tiny shared pools of the example:
     python -m tests.bench.e2e.bench_tenants --config configs/multi_tenant/pools.toml \
@@ -31,7 +33,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,14 @@ from engine.stages import run_rl
 from engine.tenancy import PoolRecord
 from storage.metrics import read_metrics
 from tests.bench.e2e.bench_async import emit
-from tests.bench.e2e.bench_gpu_rl import CONFIGS, WARMUP_STEPS, bench_config, run_facts
+from tests.bench.e2e.bench_gpu_rl import (
+    CONFIGS,
+    STEP_TIMES,
+    WARMUP_STEPS,
+    bench_config,
+    run_facts,
+    step_times,
+)
 
 POOLS = "bench"
 #: A small tenant: 4 prompts × 8 samples a step.
@@ -79,6 +87,7 @@ def tenant_main(config_path: str) -> None:
 def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) -> dict[str, Any]:
     """Run tenants `names` at once to the end; their step times and the aggregate rate."""
     processes = []
+    started = time.time()
     for seed, name in enumerate(names):
         tenant = with_overrides(config, {"run.name": name, "run.seed": seed})
         path = workdir / f"{name}.json"
@@ -89,12 +98,16 @@ def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) ->
     for name, process in processes:
         if process.wait() != 0:
             raise RuntimeError(f"tenant {name} failed; see {workdir / f'{name}.log'}")
-    lines = {
-        name: read_metrics(run_store(with_overrides(config, {"run.name": name})), "rl")
-        for name in names
-    }
-    times = {name: [line["time"] for line in steps] for name, steps in lines.items()}
-    train_s = [line["step_seconds"] for steps in lines.values() for line in steps[WARMUP_STEPS:]]
+    stores = {name: run_store(with_overrides(config, {"run.name": name})) for name in names}
+    train = {name: read_metrics(store, "rl") for name, store in stores.items()}
+    parts = [
+        step
+        for name, store in stores.items()
+        for step in step_times(train[name], read_metrics(store, "orchestrator"), started)[
+            WARMUP_STEPS:
+        ]
+    ]
+    times = {name: [line["time"] for line in lines] for name, lines in train.items()}
     start = max(steps[WARMUP_STEPS] for steps in times.values())
     end = min(steps[-1] for steps in times.values())
     inside = sum(sum(1 for t in steps if start < t <= end) for steps in times.values())
@@ -104,21 +117,39 @@ def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) ->
         "window_s": end - start,
         "steps_in_window": inside,
         "steps_per_s": inside / (end - start),
-        "train_step_s_median": statistics.median(train_s),
-        "interval_s_median": statistics.median(
-            b - a for steps in times.values() for a, b in pairwise(steps[WARMUP_STEPS:])
-        ),
-        "orchestrator_median_s": {
-            key: statistics.median(
-                line[key]
-                for name in names
-                for line in read_metrics(
-                    run_store(with_overrides(config, {"run.name": name})), "orchestrator"
-                )[WARMUP_STEPS:]
-            )
-            for key in ("time/step_s", "time/reload_s", "time/policy_wait_s")
+        "median_s": {
+            key: statistics.median(step[key] for step in parts)
+            for key in (*STEP_TIMES, "sample_step_s")
         },
     }
+
+
+def one_round(config: PrimeflowConfig, workdir: Path, index: int) -> dict[str, Any]:
+    """One tenant alone, then two at once, on the same running pools."""
+    alone = run_tenants(config, [f"alone-{index}"], workdir)
+    together = run_tenants(config, [f"first-{index}", f"second-{index}"], workdir)
+    return {
+        "alone": alone,
+        "together": together,
+        "aggregate_over_alone": together["steps_per_s"] / alone["steps_per_s"],
+    }
+
+
+def table(rounds: Sequence[dict[str, Any]]) -> str:
+    """Each round's rates and median step parts, as Markdown (the docs' table)."""
+    keys = (*STEP_TIMES, "sample_step_s")
+    rows = [
+        "| round | tenants | steps/s | " + " | ".join(keys) + " |",
+        "|---" * (len(keys) + 3) + "|",
+    ]
+    for index, result in enumerate(rounds):
+        for setting in ("alone", "together"):
+            part = result[setting]
+            cells = " | ".join(f"{part['median_s'][key]:.2f}" for key in keys)
+            tenants = len(part["tenants"])
+            rows.append(f"| {index} | {tenants} | {part['steps_per_s']:.2f} | {cells} |")
+    ratios = ", ".join(f"{result['aggregate_over_alone']:.2f}" for result in rounds)
+    return "\n".join([*rows, "", f"aggregate over alone, by round: {ratios}"])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -130,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workdir", default=None, help="a fresh folder is made in it")
     parser.add_argument("--out", default=None, help="write the JSON result here too")
     parser.add_argument("--mps", action="store_true", help="run everything under NVIDIA MPS")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alone-then-together rounds on the same pools"
+    )
     parser.add_argument("overrides", nargs="*", help="extra config flags, after --")
     args = parser.parse_args(argv)
     if args.tenant:
@@ -151,8 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         supervisor = threading.Thread(target=pools.serve, args=(stop,), daemon=True)
         supervisor.start()
         try:
-            alone = run_tenants(config, ["alone"], workdir)
-            together = run_tenants(config, ["first", "second"], workdir)
+            rounds = [one_round(config, workdir, index) for index in range(args.rounds)]
         finally:
             stop.set()
             supervisor.join()
@@ -161,11 +194,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         **run_facts(config, args.model, args.steps),
         "mps": args.mps,
         "pools_startup_s": startup_s,
-        "alone": alone,
-        "together": together,
-        "aggregate_over_alone": together["steps_per_s"] / alone["steps_per_s"],
+        "rounds": rounds,
+        "aggregate_over_alone": statistics.median(r["aggregate_over_alone"] for r in rounds),
     }
     emit(result, args.out)
+    print(table(rounds))
     return result
 
 
