@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,21 +15,32 @@ from storage.layout import RunLayout
 from storage.store import ObjectStore
 
 
+def random_adapters(
+    model: Path, lora: LoraConfig, roots: Sequence[Path], seed: int = 0, base: str | None = None
+) -> list[str]:
+    """Committed adapters on `model` whose B is random (PEFT starts it at 0), one under each of
+    `roots` (seeds `seed`, `seed + 1`, ...): their URIs. They name `base` as what they were
+    trained on (default: `model`). The model is loaded once for all of them."""
+    causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    apply_lora(causal_lm, lora)
+    config = adapter_config(lora, base or str(model))
+    uris = []
+    for index, root in enumerate(roots):
+        torch.manual_seed(seed + index)
+        tensors = {}
+        for name, param in causal_lm.named_parameters():
+            if ".lora_B." in name:
+                param.data.normal_(std=0.2)
+            if param.requires_grad:
+                tensors[name] = param.detach()
+        store = ObjectStore(f"file://{root}")
+        write_checkpoint(store, 0, weights=published(tensors), config=config, adapter=True)
+        uris.append(store.url(RunLayout.checkpoint_dir(0)))
+    return uris
+
+
 def random_adapter(
     model: Path, lora: LoraConfig, root: Path, seed: int = 0, base: str | None = None
 ) -> str:
-    """A committed adapter on `model` whose B is random (PEFT starts it at 0): its URI. It
-    names `base` as what it was trained on (default: `model`)."""
-    causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    apply_lora(causal_lm, lora)
-    torch.manual_seed(seed)
-    tensors = {}
-    for name, param in causal_lm.named_parameters():
-        if ".lora_B." in name:
-            param.data.normal_(std=0.2)
-        if param.requires_grad:
-            tensors[name] = param.detach()
-    store = ObjectStore(f"file://{root}")
-    config = adapter_config(lora, base or str(model))
-    write_checkpoint(store, 0, weights=published(tensors), config=config, adapter=True)
-    return store.url(RunLayout.checkpoint_dir(0))
+    """One adapter of `random_adapters`: its URI."""
+    return random_adapters(model, lora, [root], seed, base)[0]
