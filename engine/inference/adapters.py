@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -99,18 +100,31 @@ class AdapterLineage:
     def _load(
         self, clients: Sequence[httpx.Client], location: str, name: str, folder: Path
     ) -> None:
+        """Load `folder` as `name` on every server at once (each stops generating while it
+        adds the adapter, so one after another would stop the pool for the sum)."""
         body = {"lora_name": name, "lora_path": str(folder.resolve())}
-        for index, http in enumerate(clients):
+
+        def load(http: httpx.Client) -> str | None:
             try:
                 expect_ok(http.post("/v1/load_lora_adapter", json=body), "load_lora_adapter")
             except (httpx.HTTPError, ReloadError) as exc:
-                for loaded in clients[:index]:
-                    unload(loaded, name)
-                version = self.endpoints[0].policy_version if self.endpoints else 0
-                raise ReloadError(
-                    f"loading adapter {location} failed on server {index}: {exc}; all servers "
-                    f"still serve policy version {version}"
-                ) from None
+                return str(exc) or type(exc).__name__
+            return None
+
+        with ThreadPoolExecutor(max_workers=len(clients)) as executor:
+            errors = list(executor.map(load, clients))
+        failed = [(index, error) for index, error in enumerate(errors) if error is not None]
+        if not failed:
+            return
+        for http, error in zip(clients, errors, strict=True):
+            if error is None:
+                unload(http, name)
+        index, error = failed[0]
+        version = self.endpoints[0].policy_version if self.endpoints else 0
+        raise ReloadError(
+            f"loading adapter {location} failed on server {index}: {error}; all servers "
+            f"still serve policy version {version}"
+        )
 
     def _verify(self, clients: Sequence[httpx.Client], name: str, folder: Path) -> None:
         """Every server lists adapter `name` as loaded from `folder` (vLLM's `/v1/models`)."""
