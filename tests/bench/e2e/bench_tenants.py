@@ -16,6 +16,9 @@ step parts (the trainer's and the orchestrator's, as `bench_gpu_rl` breaks a ste
     python -m tests.bench.e2e.bench_tenants --steps 12 --out bench_tenants.json      # one GPU
     python -m tests.bench.e2e.bench_tenants --steps 14 --rounds 2 --mps -- --trainer.compile true \
         --trainer.micro-batch-tokens 16384                    # under MPS, compiled trainer
+    # ... and two vLLM servers sharing the GPU (each half the memory share), to lift the
+    # serving path's per-server ceiling: add  --inference.num-servers 2
+    #   --inference.gpu-ids '[0,0]' --inference.gpu-memory-utilization 0.15
     # the instrument itself on a CPU machine, with the tiny shared pools of the example:
     python -m tests.bench.e2e.bench_tenants --config configs/multi_tenant/pools.toml \
         --model primeflow/tiny-qwen3 --steps 5 -- --orchestrator.batch-size 8
