@@ -387,13 +387,30 @@ def load_trainer_state(local_dir: str | os.PathLike[str]) -> TrainerState:
 
 def log_commit(store: ObjectStore, step: int, parent: str = RunLayout.CHECKPOINTS) -> None:
     """Record that checkpoint `step` is committed (after its marker, before any retention)."""
-    entry = {"step": step, "uri": store.url(join(parent, RunLayout.step_name(step)))}
-    store.write_bytes(RunLayout.commit_log_entry(parent, step), _json_bytes(entry, "log entry"))
+    _log_step(store, RunLayout.commit_log_entry(parent, step), step, parent)
 
 
 def logged_commits(store: ObjectStore, parent: str = RunLayout.CHECKPOINTS) -> list[int]:
     """Every step `log_commit` recorded below `parent`, pruned since or not, in order."""
-    folder = RunLayout.commit_log_dir(parent)
+    return _logged_steps(store, RunLayout.commit_log_dir(parent))
+
+
+def log_announced(store: ObjectStore, step: int, parent: str = RunLayout.CHECKPOINTS) -> None:
+    """Record that watchers were told checkpoint `step` of `parent` is committed."""
+    _log_step(store, RunLayout.announced_entry(parent, step), step, parent)
+
+
+def announced_steps(store: ObjectStore, parent: str = RunLayout.CHECKPOINTS) -> list[int]:
+    """Every step `log_announced` recorded below `parent`, in order."""
+    return _logged_steps(store, RunLayout.announced_dir(parent))
+
+
+def _log_step(store: ObjectStore, path: str, step: int, parent: str) -> None:
+    entry = {"step": step, "uri": store.url(join(parent, RunLayout.step_name(step)))}
+    store.write_bytes(path, _json_bytes(entry, "log entry"))
+
+
+def _logged_steps(store: ObjectStore, folder: str) -> list[int]:
     steps = (RunLayout.parse_step(name.removesuffix(".json")) for name in store.list(folder))
     return sorted(step for step in steps if step is not None)
 

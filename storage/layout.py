@@ -82,6 +82,7 @@ class RunLayout:
     POLICIES = "policies"
     EVAL = "eval"
     COMMIT_LOG = "commit_log"
+    ANNOUNCED = "announced"
 
     @staticmethod
     def step_name(step: int) -> str:
@@ -120,17 +121,33 @@ class RunLayout:
         return f"{cls.CHECKPOINTS}/{cls.step_name(step)}"
 
     @staticmethod
-    def commit_log_dir(parent: str) -> str:
+    def _beside(parent: str, log: str) -> str:
+        head, _, tail = parent.rpartition("/")
+        return "/".join(part for part in (head, log, tail) if part)
+
+    @classmethod
+    def commit_log_dir(cls, parent: str) -> str:
         """`commit_log/checkpoints` beside `checkpoints` (`sft/commit_log/checkpoints` for
         `sft/checkpoints`): one entry per committed step of `parent`, which retention never
         deletes, so a watcher polling `parent` learns of every commit, even of a step pruned
         before it looked. Kept out of `parent`, which holds step folders only."""
-        head, _, tail = parent.rpartition("/")
-        return "/".join(part for part in (head, RunLayout.COMMIT_LOG, tail) if part)
+        return cls._beside(parent, cls.COMMIT_LOG)
 
     @classmethod
     def commit_log_entry(cls, parent: str, step: int) -> str:
         return f"{cls.commit_log_dir(parent)}/{cls.step_name(step)}.json"
+
+    @classmethod
+    def announced_dir(cls, parent: str) -> str:
+        """`announced/checkpoints` beside `checkpoints`: one entry per committed step of
+        `parent` that watchers were told of (the control plane's checkpoint event), so that a
+        step committed while nobody watched (the flow process was killed, its trainer went on)
+        is told of when the run is next watched, and no step twice."""
+        return cls._beside(parent, cls.ANNOUNCED)
+
+    @classmethod
+    def announced_entry(cls, parent: str, step: int) -> str:
+        return f"{cls.announced_dir(parent)}/{cls.step_name(step)}.json"
 
     @classmethod
     def metrics_dir(cls, stage: str) -> str:

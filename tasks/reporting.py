@@ -3,8 +3,10 @@
 The trainer pool runs in other processes (torchrun) and may run on other machines, so it cannot
 call Prefect; what it commits to storage is the truth. A `StageMonitor` polls that truth — the
 metric lines and the committed checkpoints — and turns it into a progress artifact, a metrics
-table artifact every few steps, and one `primeflow.checkpoint.committed` event per checkpoint.
-It reads only objects it has not seen, so a poll costs one listing per prefix.
+table artifact every few steps, and one `primeflow.checkpoint.committed` event per checkpoint,
+recorded in storage once sent (`announced/`), so that a checkpoint committed while no monitor
+watched is announced when the run is next watched, and none twice. It reads only objects it
+has not seen, so a poll costs one listing per prefix.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from engine.config import PrimeflowConfig
 from engine.report.run_report import PLOT, REPORT_DIR
 from engine.results import PipelineResult
 from engine.run import Run
-from storage.checkpoints import logged_commits
+from storage.checkpoints import announced_steps, log_announced, logged_commits
 from storage.commit import committed_steps
 from storage.layout import RunLayout
 from storage.paths import join
@@ -75,6 +77,28 @@ def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str, root: 
     )
 
 
+def announce_checkpoints(store: ObjectStore, run_name: str, stage: str, parent: str) -> list[int]:
+    """One checkpoint event for each checkpoint of `parent` committed and not announced yet
+    (each is then recorded as announced): those of a running stage as they come, and those a
+    trainer committed while no flow watched it (its flow process was killed, the trainer went
+    on), when the run is next watched. The steps announced now, in order."""
+    present = set(committed_steps(store, parent))
+    committed = present | set(logged_commits(store, parent))
+    news = sorted(committed - set(announced_steps(store, parent)))
+    for step in news:
+        if step not in present:
+            log.warning(
+                "%s: checkpoint %d was deleted by retention before it was announced; its "
+                "event goes out, but it cannot be evaluated (raise checkpoint.keep_last)",
+                stage,
+                step,
+            )
+        uri = store.url(join(parent, RunLayout.step_name(step)))
+        emit_checkpoint_event(run_name, stage, step, uri, store.url())
+        log_announced(store, step, parent)
+    return news
+
+
 @dataclass
 class StageMonitor:
     """Context manager: while the stage runs, poll storage and report; report once more at exit.
@@ -95,7 +119,6 @@ class StageMonitor:
     on_step: Callable[[Mapping[str, Any]], None] | None = None
     lines: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)
     others: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict, init=False)
-    checkpoints: set[int] = field(default_factory=set, init=False)
     _artifact: UUID | None = field(default=None, init=False)
     _last_table_step: int = field(default=-1, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
@@ -109,8 +132,6 @@ class StageMonitor:
         )
         # A terminal progress bar when a person watches (tqdm stays silent off a TTY).
         self._bar = tqdm(total=self.total_steps, desc=self.stage, unit="step", disable=None)
-        # Checkpoints committed before this stage (a resumed run) are not news.
-        self.checkpoints = self._committed_checkpoints()
         context = contextvars.copy_context()  # so artifacts attach to this flow/task run
         self._thread = threading.Thread(target=context.run, args=(self._loop,), daemon=True)
         self._thread.start()
@@ -160,25 +181,7 @@ class StageMonitor:
             update_progress_artifact(self._artifact, progress=progress)
             if self.last_step - self._last_table_step >= self.table_every:
                 self._write_table()
-        present = set(committed_steps(self.store, self.checkpoint_parent))
-        for step in sorted(self._committed_checkpoints(present) - self.checkpoints):
-            self.checkpoints.add(step)
-            if step not in present:
-                log.warning(
-                    "%s: checkpoint %d was deleted by retention before it was announced; its "
-                    "event goes out, but it cannot be evaluated (raise checkpoint.keep_last)",
-                    self.stage,
-                    step,
-                )
-            uri = self.store.url(join(self.checkpoint_parent, RunLayout.step_name(step)))
-            emit_checkpoint_event(self.run_name, self.stage, step, uri, self.store.url())
-
-    def _committed_checkpoints(self, present: set[int] | None = None) -> set[int]:
-        """Every checkpoint committed so far: those still there and those the commit log
-        records (retention may have deleted one between two polls)."""
-        if present is None:
-            present = set(committed_steps(self.store, self.checkpoint_parent))
-        return present | set(logged_commits(self.store, self.checkpoint_parent))
+        announce_checkpoints(self.store, self.run_name, self.stage, self.checkpoint_parent)
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
         """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""

@@ -19,7 +19,7 @@ from engine.stages import EvalStep, StageHungError, finished, run_eval, run_rl, 
 from engine.wandb_sink import WandbSink
 from storage.layout import RunLayout, Stage
 from tasks.pools import tenant_slot
-from tasks.reporting import StageMonitor, publish_hang_report
+from tasks.reporting import StageMonitor, announce_checkpoints, publish_hang_report
 
 
 def _monitor(
@@ -37,11 +37,15 @@ def _monitor(
 
 
 def _already_done(config: PrimeflowConfig, run: Run, stage: Stage) -> StageResult | None:
+    """The stage's result when every step is committed; its checkpoints that nobody announced
+    (a trainer that finished after its flow process was killed) are announced now."""
     done = finished(config, run, stage)
     if done is not None:
         get_run_logger().info(
             "%s: all %d steps are committed already; nothing to train", stage, done.last_step
         )
+        parent = RunLayout.stage_checkpoints(stage)
+        announce_checkpoints(run.store, config.run.name, stage, parent)
     return done
 
 

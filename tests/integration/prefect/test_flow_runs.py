@@ -24,8 +24,6 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.objects import FlowRun
-from prefect.events import Event
-from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
 from prefect.states import Cancelling
 
 from engine.config import load_config
@@ -34,7 +32,8 @@ from flows.deploy import REPO_ROOT
 from storage.commit import committed_steps, read_commit
 from storage.layout import RunLayout
 from storage.store import ObjectStore
-from tasks.reporting import CHECKPOINT_EVENT, artifact_key
+from tasks.reporting import artifact_key
+from tests.integration.prefect.events import checkpoint_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -154,28 +153,6 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
-
-
-def checkpoint_events(run: str, stage: str) -> list[Event]:
-    """Every checkpoint event of `run`'s `stage`, all pages (other modules' runs share the
-    server, so a first page of every checkpoint event may hold none of this run's)."""
-
-    async def read() -> list[Event]:
-        async with get_client() as client:
-            page = await client.read_events(
-                filter=EventFilter(
-                    event=EventNameFilter(name=[CHECKPOINT_EVENT]),
-                    any_resource=EventAnyResourceFilter(id=[f"primeflow.run.{run}"]),
-                ),
-                limit=50,
-            )
-            events = list(page.events)
-            while page.next_page:
-                page = await client.read_events_page(str(page.next_page))
-                events += page.events
-            return [event for event in events if event.payload.get("stage") == stage]
-
-    return asyncio.run(read())
 
 
 def final_state(flow_run_id: UUID, timeout_s: float) -> FlowRun:

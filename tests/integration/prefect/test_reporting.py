@@ -12,16 +12,23 @@ import torch
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from prefect.events.filters import EventFilter, EventNameFilter
 
-from storage.checkpoints import apply_retention, log_commit, write_checkpoint
+from storage.checkpoints import announced_steps, apply_retention, log_commit, write_checkpoint
 from storage.commit import committed_steps
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
-from tasks.reporting import CHECKPOINT_EVENT, StageMonitor, artifact_key
+from tasks.reporting import StageMonitor, announce_checkpoints, artifact_key
+from tests.integration.prefect.events import checkpoint_events
 
 pytestmark = pytest.mark.integration
+
+
+def commit_checkpoint(store: ObjectStore, step: int) -> None:
+    """What the trainer does at a checkpoint step: write and commit it, then log the commit."""
+    weights = {"w": torch.full((2,), float(step))}
+    write_checkpoint(store, step, weights=weights, config={"model_type": "t"})
+    log_commit(store, step)
 
 
 def fake_trainer(store: ObjectStore, steps: int) -> None:
@@ -30,9 +37,7 @@ def fake_trainer(store: ObjectStore, steps: int) -> None:
     for step in range(1, steps + 1):
         write_metrics(store, "rl", step, {"loss": 1.0 / step, "reward": 0.1 * step})
         if step % 2 == 0:
-            weights = {"w": torch.full((2,), float(step))}
-            write_checkpoint(store, step, weights=weights, config={"model_type": "t"})
-            log_commit(store, step)
+            commit_checkpoint(store, step)
             apply_retention(store, keep_last=1)
         time.sleep(0.05)
 
@@ -42,14 +47,6 @@ async def _artifacts(key: str) -> list:
         return await client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
         )
-
-
-async def _events(name: str, run: str) -> list:
-    async with get_client() as client:
-        page = await client.read_events(
-            filter=EventFilter(event=EventNameFilter(name=[name])), limit=50
-        )
-    return [e for e in page.events if e.payload.get("run") == run]
 
 
 def test_monitor_reports_progress_table_and_checkpoint_events(
@@ -78,8 +75,38 @@ def test_monitor_reports_progress_table_and_checkpoint_events(
     deadline = time.monotonic() + 20
     steps: set[int] = set()
     while time.monotonic() < deadline and steps != {2, 4, 6}:
-        steps = {e.payload["step"] for e in asyncio.run(_events(CHECKPOINT_EVENT, run))}
+        steps = {e.payload["step"] for e in checkpoint_events(run, "rl")}
         time.sleep(0.5)
     # Steps 2 and 4 were deleted before any poll could see them; their events still went out.
     assert steps == {2, 4, 6}
     assert committed_steps(store, RunLayout.CHECKPOINTS) == [6]
+
+
+def test_a_checkpoint_committed_while_nobody_watched_is_announced_once_when_watched_again(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    store = ObjectStore(f"file://{tmp_path}/runs/unwatched")
+    run = "unwatched"
+
+    @flow(name="monitor-unwatched")
+    def stage() -> None:
+        with StageMonitor(store, run, "rl", total_steps=4, interval_s=0.1):
+            write_metrics(store, "rl", 2, {"loss": 0.5})
+            commit_checkpoint(store, 2)
+
+    stage()
+    assert announced_steps(store) == [2]
+    # The flow process is killed here; its trainer goes on and commits step 4 unwatched.
+    commit_checkpoint(store, 4)
+    # The next run of the flow finds every step done and announces what nobody did, once.
+    assert announce_checkpoints(store, run, "rl", RunLayout.CHECKPOINTS) == [4]
+    assert announce_checkpoints(store, run, "rl", RunLayout.CHECKPOINTS) == []
+    assert announced_steps(store) == [2, 4]
+    deadline = time.monotonic() + 20
+    steps: list[int] = []
+    while time.monotonic() < deadline and sorted(steps) != [2, 4]:
+        steps = [e.payload["step"] for e in checkpoint_events(run, "rl")]
+        time.sleep(0.5)
+    assert sorted(steps) == [2, 4]  # each once
+    time.sleep(2)  # the server ingests events in the background: no late duplicate either
+    assert sorted(e.payload["step"] for e in checkpoint_events(run, "rl")) == [2, 4]

@@ -94,6 +94,8 @@ def test_the_commit_log_sits_beside_the_folder_it_logs() -> None:
     assert entry == "commit_log/checkpoints/step_000042.json"
     # The SFT stage's writer is rooted at `sft/`; the run's monitor names `sft/checkpoints`.
     assert RunLayout.commit_log_dir("sft/checkpoints") == "sft/commit_log/checkpoints"
+    assert RunLayout.announced_entry("checkpoints", 42) == "announced/checkpoints/step_000042.json"
+    assert RunLayout.announced_dir("sft/checkpoints") == "sft/announced/checkpoints"
 
 
 def test_each_stage_has_its_store_below_the_run_root(memory_store) -> None:
