@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prefect.client.orchestration import get_client
 from prefect.events import Event
@@ -31,3 +32,14 @@ def checkpoint_events(run: str, stage: str) -> list[Event]:
             return [event for event in events if event.payload.get("stage") == stage]
 
     return asyncio.run(read())
+
+
+def event_steps(run: str, stage: str, expected: list[int], timeout_s: float = 20.0) -> list[int]:
+    """The steps of `run`'s `stage` checkpoint events, sorted, duplicates kept: as soon as they
+    are `expected`, else after `timeout_s` (the server ingests events in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        steps = sorted(event.payload["step"] for event in checkpoint_events(run, stage))
+        if steps == expected or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.5)

@@ -19,7 +19,7 @@ from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
 from tasks.reporting import StageMonitor, announce_checkpoints, artifact_key
-from tests.integration.prefect.events import checkpoint_events
+from tests.integration.prefect.events import event_steps
 
 pytestmark = pytest.mark.integration
 
@@ -72,13 +72,8 @@ def test_monitor_reports_progress_table_and_checkpoint_events(
     columns = list((json.loads(data) if isinstance(data, str) else data)[0])
     assert columns == ["step", "loss", "reward", "stage", "time"], columns
 
-    deadline = time.monotonic() + 20
-    steps: set[int] = set()
-    while time.monotonic() < deadline and steps != {2, 4, 6}:
-        steps = {e.payload["step"] for e in checkpoint_events(run, "rl")}
-        time.sleep(0.5)
     # Steps 2 and 4 were deleted before any poll could see them; their events still went out.
-    assert steps == {2, 4, 6}
+    assert event_steps(run, "rl", [2, 4, 6]) == [2, 4, 6]
     assert committed_steps(store, RunLayout.CHECKPOINTS) == [6]
 
 
@@ -102,11 +97,6 @@ def test_a_checkpoint_committed_while_nobody_watched_is_announced_once_when_watc
     assert announce_checkpoints(store, run, "rl", RunLayout.CHECKPOINTS) == [4]
     assert announce_checkpoints(store, run, "rl", RunLayout.CHECKPOINTS) == []
     assert announced_steps(store) == [2, 4]
-    deadline = time.monotonic() + 20
-    steps: list[int] = []
-    while time.monotonic() < deadline and sorted(steps) != [2, 4]:
-        steps = [e.payload["step"] for e in checkpoint_events(run, "rl")]
-        time.sleep(0.5)
-    assert sorted(steps) == [2, 4]  # each once
-    time.sleep(2)  # the server ingests events in the background: no late duplicate either
-    assert sorted(e.payload["step"] for e in checkpoint_events(run, "rl")) == [2, 4]
+    assert event_steps(run, "rl", [2, 4]) == [2, 4]  # each once
+    time.sleep(2)  # and no late duplicate either
+    assert event_steps(run, "rl", [2, 4], timeout_s=0) == [2, 4]
