@@ -45,7 +45,10 @@ def _already_done(config: PrimeflowConfig, run: Run, stage: Stage) -> StageResul
             "%s: all %d steps are committed already; nothing to train", stage, done.last_step
         )
         parent = RunLayout.stage_checkpoints(stage)
-        announce_checkpoints(run.store, config.run.name, stage, parent)
+        try:  # reporting never fails the stage it reports on
+            announce_checkpoints(run.store, config.run.name, stage, parent)
+        except Exception as exc:
+            get_run_logger().warning("%s: announcing its checkpoints failed: %s", stage, exc)
     return done
 
 
