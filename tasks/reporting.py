@@ -77,14 +77,20 @@ def emit_checkpoint_event(run_name: str, stage: str, step: int, uri: str, root: 
     )
 
 
-def announce_checkpoints(store: ObjectStore, run_name: str, stage: str, parent: str) -> list[int]:
+def announce_checkpoints(
+    store: ObjectStore, run_name: str, stage: str, parent: str, announced: set[int] | None = None
+) -> list[int]:
     """One checkpoint event for each checkpoint of `parent` committed and not announced yet
     (each is then recorded as announced): those of a running stage as they come, and those a
     trainer committed while no flow watched it (its flow process was killed, the trainer went
-    on), when the run is next watched. The steps announced now, in order."""
+    on), when the run is next watched. `announced`: the steps recorded so far, when the caller
+    keeps them (a monitor reads the record once, not at every poll), updated here. The steps
+    announced now, in order."""
+    if announced is None:
+        announced = set(announced_steps(store, parent))
     present = set(committed_steps(store, parent))
     committed = present | set(logged_commits(store, parent))
-    news = sorted(committed - set(announced_steps(store, parent)))
+    news = sorted(committed - announced)
     for step in news:
         if step not in present:
             log.warning(
@@ -96,6 +102,7 @@ def announce_checkpoints(store: ObjectStore, run_name: str, stage: str, parent: 
         uri = store.url(join(parent, RunLayout.step_name(step)))
         emit_checkpoint_event(run_name, stage, step, uri, store.url())
         log_announced(store, step, parent)
+        announced.add(step)
     return news
 
 
@@ -124,6 +131,7 @@ class StageMonitor:
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
     _bar: tqdm | None = field(default=None, init=False)
+    _announced: set[int] = field(default_factory=set, init=False)
 
     def __enter__(self) -> StageMonitor:
         key = artifact_key(self.run_name, self.stage, "progress")
@@ -132,6 +140,7 @@ class StageMonitor:
         )
         # A terminal progress bar when a person watches (tqdm stays silent off a TTY).
         self._bar = tqdm(total=self.total_steps, desc=self.stage, unit="step", disable=None)
+        self._announced = set(announced_steps(self.store, self.checkpoint_parent))
         context = contextvars.copy_context()  # so artifacts attach to this flow/task run
         self._thread = threading.Thread(target=context.run, args=(self._loop,), daemon=True)
         self._thread.start()
@@ -181,7 +190,9 @@ class StageMonitor:
             update_progress_artifact(self._artifact, progress=progress)
             if self.last_step - self._last_table_step >= self.table_every:
                 self._write_table()
-        announce_checkpoints(self.store, self.run_name, self.stage, self.checkpoint_parent)
+        announce_checkpoints(
+            self.store, self.run_name, self.stage, self.checkpoint_parent, self._announced
+        )
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
         """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""
