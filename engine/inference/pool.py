@@ -159,17 +159,29 @@ class InferencePool:
         }
 
     def start(self) -> None:
-        """Start every server and wait until all are ready; on any failure stop them all."""
+        """Start every server and wait until all are ready; on any failure stop them all.
+
+        Servers on GPUs of their own start at once. A server that shares a GPU with an
+        earlier one starts after that one is ready: vLLM sizes its KV cache from the whole
+        device's free memory, so a neighbour loading at the same time is charged to it
+        (vllm-project/vllm#55827: "No available memory for the cache blocks")."""
         if self._servers:
             raise InferencePoolError("the pool is already running")
         model = self._resolve_model()
         self._pipe_read, self._pipe_write = os.pipe()
         try:
             started = time.monotonic()
+            ready: set[int] = set()
             for index in range(self.config.num_servers):
-                self._servers.append(self._launch(self._spec(index, model)))
+                spec = self._spec(index, model)
+                for earlier in self._servers:
+                    if earlier.spec.index not in ready and earlier.spec.shares_gpu_with(spec):
+                        self._wait_ready(earlier.spec.index, started)
+                        ready.add(earlier.spec.index)
+                self._servers.append(self._launch(spec))
             for index in range(self.config.num_servers):
-                self._wait_ready(index, started)
+                if index not in ready:
+                    self._wait_ready(index, started)
             self.endpoints = [
                 Endpoint(index=s.spec.index, base_url=s.spec.base_url, model=self.model_name)
                 for s in self._servers

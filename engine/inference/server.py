@@ -100,6 +100,10 @@ class ServerSpec:
             ]  # fmt: skip
         return [*args, *self.extra_args]
 
+    def shares_gpu_with(self, other: ServerSpec) -> bool:
+        """Whether the two servers are placed on a common GPU (never on CPU)."""
+        return bool(set(self.gpu_ids) & set(other.gpu_ids))
+
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """The server's environment: dev routes on (behind the guard), key, device placement."""
         env = {

@@ -105,3 +105,10 @@ def test_placement_lists_must_fit_the_pool() -> None:
         InferenceConfig(num_servers=2, gpu_ids=[0, 1, 2])
     with pytest.raises(ValueError, match="one per server"):
         InferenceConfig(num_servers=2, cpu_cores=["0-3"])
+
+
+def test_servers_share_a_gpu_only_where_their_devices_overlap() -> None:
+    first = spec(device="cuda", gpu_ids=(0, 1))
+    assert first.shares_gpu_with(spec(device="cuda", gpu_ids=(1, 2)))
+    assert not first.shares_gpu_with(spec(device="cuda", gpu_ids=(2, 3)))
+    assert not spec().shares_gpu_with(spec())  # CPU servers start together
