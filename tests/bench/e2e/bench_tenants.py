@@ -174,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     if args.steps <= WARMUP_STEPS + 1:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 1}")
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-tenants-", dir=args.workdir))
     os.environ["PRIMEFLOW_HOME"] = str(workdir / "home")  # the tenants inherit it
     files = args.config or [str(path) for path in CONFIGS]
