@@ -130,12 +130,14 @@ def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) ->
 def one_round(config: PrimeflowConfig, workdir: Path, index: int) -> dict[str, Any]:
     """One tenant alone, then two at once, on the same running pools."""
     alone = run_tenants(config, [f"alone-{index}"], workdir)
+    print(f"round {index}: one tenant alone {alone['steps_per_s']:.2f} steps/s", flush=True)
     together = run_tenants(config, [f"first-{index}", f"second-{index}"], workdir)
-    return {
-        "alone": alone,
-        "together": together,
-        "aggregate_over_alone": together["steps_per_s"] / alone["steps_per_s"],
-    }
+    ratio = together["steps_per_s"] / alone["steps_per_s"]
+    print(
+        f"round {index}: two tenants {together['steps_per_s']:.2f} steps/s ({ratio:.2f}×)",
+        flush=True,
+    )
+    return {"alone": alone, "together": together, "aggregate_over_alone": ratio}
 
 
 def table(rounds: Sequence[dict[str, Any]]) -> str:
@@ -186,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         pools.start()
         startup_s = time.perf_counter() - started
+        print(f"pools ready in {startup_s:.0f} s", flush=True)
         stop = threading.Event()
         supervisor = threading.Thread(target=pools.serve, args=(stop,), daemon=True)
         supervisor.start()
