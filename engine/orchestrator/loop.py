@@ -107,7 +107,9 @@ class Orchestrator:
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
-        # Seconds of the step being built spent reloading the pool and blocked on the policy.
+        #: The load of a newer policy version into the pool, while one runs.
+        self._reload: asyncio.Task[None] | None = None
+        # Seconds of the step being built: reloads that ended in it, blocked on the policy.
         self._timing = {"time/reload_s": 0.0, "time/policy_wait_s": 0.0}
         # Set by a supervising thread: without it a loop whose trainer died would keep sampling
         # (and later committing) beside the stage's retry, two writers of the same steps.
@@ -125,6 +127,8 @@ class Orchestrator:
                 self._timing = dict.fromkeys(self._timing, 0.0)
                 batch = await self._collect(step)
                 await self._commit(step, batch, time.monotonic() - started)
+            if self._reload is not None:
+                await self._reload  # a policy that failed verification fails the run
         finally:
             await self._cancel_inflight()
         return self.metrics
@@ -171,17 +175,27 @@ class Orchestrator:
             if not self._inflight:
                 blocked_since = blocked_since or time.monotonic()
                 self._check_wait(step, served, time.monotonic() - blocked_since)
-                await asyncio.sleep(self.config.poll_interval_s)
-                self._timing["time/policy_wait_s"] += self.config.poll_interval_s
+                waited = time.monotonic()
+                await self._wait_for(set())
+                self._timing["time/policy_wait_s"] += time.monotonic() - waited
                 continue
             blocked_since = None
-            done, _ = await asyncio.wait(
-                self._inflight,
-                timeout=self.config.poll_interval_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            for task in done:
-                self._pending.append(self._finish(task))
+            for task in await self._wait_for(set(self._inflight)):
+                if task in self._inflight:
+                    self._pending.append(self._finish(task))
+
+    async def _wait_for(self, tasks: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+        """Wait up to a poll interval for one of `tasks` or the running reload to end; the
+        ones that ended (a finished reload wakes the loop to sample on the new version)."""
+        if self._reload is not None:
+            tasks = {*tasks, self._reload}
+        if not tasks:
+            await asyncio.sleep(self.config.poll_interval_s)
+            return set()
+        done, _ = await asyncio.wait(
+            tasks, timeout=self.config.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        return done
 
     def _check_stop(self, step: int) -> None:
         if self._stop.is_set():
@@ -225,17 +239,30 @@ class Orchestrator:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._inflight.clear()
+        if self._reload is not None:  # a thread cannot be cancelled: let it end
+            await asyncio.gather(self._reload, return_exceptions=True)
+            self._reload = None
 
     # -- policy -----------------------------------------------------------------------------
 
     async def _refresh_policy(self) -> None:
-        """Ask the pool to load the newest committed policy version when it serves another.
+        """Start loading the newest committed policy version when the pool serves another,
+        and go on sampling while it loads.
 
         Normally that is a newer one. After the trainer resumed from an older checkpoint, the
         versions it had published past that checkpoint are gone (`engine.trainer.publish`) and
         the newest is older than what the pool serves: the pool goes back to it, so it never
         serves a policy of the dead lineage longer than one poll.
+
+        The load runs beside the loop: requests sent meanwhile name the version served when
+        they were sent (the pool reports a new version only once every server has it), so
+        a swap that takes a second no longer stops the loop from sending and collecting.
         """
+        if self._reload is not None:
+            if not self._reload.done():
+                return
+            finished, self._reload = self._reload, None
+            finished.result()  # raises what must stop the run
         now = time.monotonic()
         if now - self._last_poll < self.config.poll_interval_s:
             return
@@ -243,10 +270,15 @@ class Orchestrator:
         latest = await asyncio.to_thread(latest_committed_step, self.store, RunLayout.POLICIES)
         if latest is None or latest == self.server.policy_version:
             return
-        uri = self.store.url(RunLayout.policy_dir(latest))
+        self._reload = asyncio.create_task(self._load_policy(latest))
+
+    async def _load_policy(self, version: int) -> None:
+        """Load policy `version` into the pool; a failure is retried at the next poll, up to
+        `MAX_RELOAD_FAILURES` in a row, and a served-weights mismatch stops the run."""
+        uri = self.store.url(RunLayout.policy_dir(version))
         started = time.monotonic()
         try:
-            await asyncio.to_thread(self.server.reload, uri, latest)
+            await asyncio.to_thread(self.server.reload, uri, version)
         except ServedWeightsMismatchError:
             raise
         except Exception as exc:
@@ -258,7 +290,7 @@ class Orchestrator:
         finally:
             self._timing["time/reload_s"] += time.monotonic() - started
         self._reload_failures = 0
-        logger.info("the pool serves policy version %d (%s)", latest, uri)
+        logger.info("the pool serves policy version %d (%s)", version, uri)
 
     # -- output -----------------------------------------------------------------------------
 

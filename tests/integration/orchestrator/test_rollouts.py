@@ -143,8 +143,13 @@ def test_a_classic_env_from_a_test_module_runs_and_its_failures_are_skipped(
 
 def _publish_after_rollouts(config: PrimeflowConfig, model: Path, step: int) -> None:
     """Stand in for the trainer: once `rollouts/step` is committed, publish `policies/step`."""
+    wait_for_step(run_store(config), RunLayout.ROLLOUTS, step, timeout_s=120)
+    _publish(config, model, step)
+
+
+def _publish(config: PrimeflowConfig, model: Path, step: int) -> None:
+    """Commit `model` as `policies/step`."""
     store = run_store(config)
-    wait_for_step(store, RunLayout.ROLLOUTS, step, timeout_s=120)
     files = {
         name: (model / name).read_bytes()
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -171,6 +176,48 @@ def test_synchronous_bound_waits_for_and_loads_the_next_policy_version(
     assert {row["policy_version"] for row in rows_of(config, 1)} == {0}
     assert {row["policy_version"] for row in rows_of(config, 2)} == {1}
     assert pool.policy_version == 1
+
+
+class HeldReloads:
+    """The shared pool, its reloads held until `release` is set (a swap that takes long)."""
+
+    def __init__(self, pool: InferencePool) -> None:
+        self.pool = pool
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+    def reload(self, checkpoint: str, version: int | None = None) -> int:
+        self.started.set()
+        self.release.wait()
+        return self.pool.reload(checkpoint, version)
+
+
+def test_sampling_goes_on_while_the_pool_loads_a_new_version(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
+) -> None:
+    config = make_config(max_steps=2, orchestrator={"max_async_level": 2})
+    _publish(config, tiny_model, 1)  # committed before sampling starts
+    held = HeldReloads(pool)
+    sampled_while_held = threading.Event()
+
+    def release_after_step_two() -> None:
+        try:
+            wait_for_step(run_store(config), RunLayout.ROLLOUTS, 2, timeout_s=90)
+            sampled_while_held.set()
+        finally:
+            held.release.set()
+
+    releaser = threading.Thread(target=release_after_step_two)
+    releaser.start()
+    assert run_orchestrator(config, held) == 0  # type: ignore[arg-type]
+    releaser.join()
+
+    assert held.started.is_set() and sampled_while_held.is_set()
+    assert {row["policy_version"] for row in rows_of(config, 1) + rows_of(config, 2)} == {0}
+    assert pool.policy_version == 1  # the run ended once the held reload had finished
 
 
 def test_a_restarted_run_continues_after_its_last_committed_step(
