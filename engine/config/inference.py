@@ -13,6 +13,12 @@ from engine.placement import parse_cores
 #: The adapter ranks vLLM can serve (its `--max-lora-rank` choices).
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 LORA_RANKS: tuple[int, ...] = get_args(LoraRank)
+#: GPU adapter slots one lineage of adapters needs (a run's own, or each tenant's): the version
+#: served, the one before (requests that named it just before the last swap still run) and the
+#: one being added. vLLM activates an adapter as it adds it and, with every slot taken, evicts
+#: the least recently used one even while requests use it, which then evicts another to come
+#: back, and it defers requests whose adapter would exceed `max_loras` in a batch.
+SLOTS_PER_LINEAGE = 3
 
 
 class LoraServingConfig(BaseConfig):
@@ -27,14 +33,14 @@ class LoraServingConfig(BaseConfig):
         int,
         Field(
             ge=1,
-            description="Adapters in one batch (vLLM's --max-loras): a swap serves the old and "
-            "the new version side by side.",
+            description="Adapters in one batch (vLLM's --max-loras): a swap serves the new "
+            "version beside the two before it.",
         ),
-    ] = 2
+    ] = SLOTS_PER_LINEAGE
     max_cpu_loras: Annotated[
         int,
         Field(ge=1, description="Adapters held in host memory (vLLM's --max-cpu-loras)."),
-    ] = 4
+    ] = 2 * SLOTS_PER_LINEAGE
     target_modules: Annotated[
         list[str], Field(min_length=1, description="Layers that may carry an adapter.")
     ] = LORA_TARGETS

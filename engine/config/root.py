@@ -8,7 +8,12 @@ from pydantic import Field, model_validator
 
 from engine.config.base import BaseConfig
 from engine.config.evaluation import EvalConfig
-from engine.config.inference import LORA_RANKS, InferenceConfig, LoraServingConfig
+from engine.config.inference import (
+    LORA_RANKS,
+    SLOTS_PER_LINEAGE,
+    InferenceConfig,
+    LoraServingConfig,
+)
 from engine.config.model import ModelConfig
 from engine.config.orchestrator import OrchestratorConfig
 from engine.config.pools import SharedPoolsConfig
@@ -113,8 +118,7 @@ class PrimeflowConfig(BaseConfig):
         serving = self.inference.lora
         if serving is None:
             rank = next(r for r in LORA_RANKS if r >= lora.rank)
-            # Shared pools: each tenant's adapter and, during a swap, its previous one.
-            loras = 2 * self.pools.tenants if self.pools.name else 2
+            loras = SLOTS_PER_LINEAGE * (self.pools.tenants if self.pools.name else 1)
             serving = LoraServingConfig(
                 max_rank=rank,
                 max_loras=loras,

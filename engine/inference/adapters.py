@@ -18,13 +18,14 @@ from pathlib import Path
 
 import httpx
 
+from engine.config.inference import SLOTS_PER_LINEAGE
 from engine.inference.control import ReloadError, ServedWeightsMismatchError, expect_ok
 from engine.inference.endpoint import Endpoint
 from engine.inference.reload_ext import commit_meta
 
 #: Versions a lineage keeps loaded: the one served and the one before, for a request that
-#: named it just before the swap.
-KEEP = 2
+#: named it just before the swap (the one being added makes `SLOTS_PER_LINEAGE`).
+KEEP = SLOTS_PER_LINEAGE - 1
 #: Between a lineage's name and the version in an adapter's name: `<lineage>@v<version>-<uid>`.
 SEPARATOR = "@v"
 

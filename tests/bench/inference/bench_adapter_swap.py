@@ -45,7 +45,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from engine.config.inference import InferenceConfig, LoraServingConfig
+from engine.config.inference import SLOTS_PER_LINEAGE, InferenceConfig, LoraServingConfig
 from engine.config.trainer import LoraConfig
 from engine.inference.adapters import served_adapters
 from engine.inference.pool import InferencePool
@@ -54,8 +54,8 @@ from engine.models.tiny import TinyModelSpec, write_tiny_model
 from tests.bench.e2e.bench_async import emit
 from tests.integration.adapters import random_adapters
 
-#: Adapters a batch may hold: two tenants' current and previous versions.
-MAX_LORAS = 4
+#: Adapters a batch may hold: two lineages' slots, as two tenants get.
+MAX_LORAS = 2 * SLOTS_PER_LINEAGE
 #: The second phase's adapters, a half of the requests on each.
 MIXED = ["steady", "second"]
 PROMPT = "reverse: the quick brown fox jumps over the lazy dog " * 4

@@ -220,3 +220,13 @@ def test_alphabet_sort_lora_example_warms_every_weight_then_trains_an_adapter(
     assert worst + 2 * config.orchestrator.sampling.max_tokens <= config.seq_len
     assert config.trainer.micro_batch_tokens is not None
     assert config.trainer.micro_batch_tokens >= config.sft.batch_size * config.seq_len
+
+
+def test_servers_get_three_adapter_slots_a_lineage() -> None:
+    """Each tenant (or a LoRA run of its own) needs its served version, the one before and the
+    one being added in GPU slots at once, or vLLM evicts adapters still in use."""
+    pools = load("multi_tenant/pools.toml")
+    assert pools.inference.lora is not None
+    assert (pools.inference.lora.max_loras, pools.inference.lora.max_cpu_loras) == (6, 12)
+    own = load("alphabet_sort/lora.toml")
+    assert own.inference.lora is not None and own.inference.lora.max_loras == 3
