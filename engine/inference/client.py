@@ -122,6 +122,11 @@ class InferenceClient:
             limits=httpx.Limits(max_connections=max_concurrent, max_keepalive_connections=None),
         )
 
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests sent (each stamped with its server's policy version) and not answered."""
+        return sum(self._busy)
+
     @classmethod
     def from_pool(cls, pool: ServingPool, *, max_concurrent: int = 64) -> InferenceClient:
         """A client on a running pool, sharing its endpoints (and so their policy versions)."""

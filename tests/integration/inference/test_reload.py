@@ -276,42 +276,41 @@ def test_requests_in_flight_keep_the_oldest_version(
             # 64 x 600 decode steps: many seconds of work, even on a fast idle machine.
             busy = (running * 64)[:64]
             busy_run = SamplingConfig(temperature=0, max_tokens=600)
-            earlier = await asyncio.to_thread(requests_received, base_pool)
+            earlier = await asyncio.to_thread(generated_tokens, base_pool)
             before = asyncio.create_task(client.generate_batch(busy, busy_run))
-            # Every request must have reached the server (so the client stamped it) before
-            # the reload: on a loaded machine sending 64 takes longer than any fixed sleep.
+            # Every request is sent (and so stamped) before the reload, and some are decoding.
+            # One that reaches the server during the reload's pause waits there for the resume.
+            while client.requests_in_flight < len(busy) and not before.done():
+                await asyncio.sleep(0.01)
             deadline = asyncio.get_running_loop().time() + 60
-            while (seen := await asyncio.to_thread(requests_received, base_pool)) - earlier < 64:
-                assert asyncio.get_running_loop().time() < deadline, f"{seen - earlier} arrived"
+            while await asyncio.to_thread(generated_tokens, base_pool) == earlier:
+                assert asyncio.get_running_loop().time() < deadline, "nothing decoded in 60 s"
                 await asyncio.sleep(0.02)
             await asyncio.to_thread(base_pool.reload, weights.other)
             in_flight = not before.done()
             after = await client.generate(running[0], SamplingConfig(max_tokens=4))
             return await before, after, in_flight
 
-    # The scenario needs requests still decoding at the reload; a machine that finished all 64
-    # first (it happened once in a loaded full run) gets the scenario again, from the base.
+    # The scenario needs a request that decoded on both sides of the reload; a machine that
+    # finished all 64 first, or started none, gets the scenario again, from the base.
     for _ in range(IN_FLIGHT_ATTEMPTS):
         before, after, in_flight = asyncio.run(scenario())
-        if in_flight:
+        # Each token is the policy's that served it: base before the swap, the new weights after.
+        switched = [(switch_point(weights, s), len(s.logprobs)) for (s,) in before]
+        across = any(0 < point < length for point, length in switched)
+        if in_flight and across:
             break
         base_pool.reload(weights.base, version=0)
-    assert in_flight  # the reload really happened while those requests were decoding
+    assert in_flight and across, switched  # requests were decoding when the weights changed
     assert {s.policy_version for group in before for s in group} == {0}
     assert all(len(s.completion_ids) == len(s.logprobs) > 0 for group in before for s in group)
     assert [s.policy_version for s in after] == [1]
-    # Each token is the policy's that served it: base before the swap, the new weights after.
-    switched = [switch_point(weights, s) for (s,) in before]
-    assert any(point < len(s.logprobs) for point, (s,) in zip(switched, before, strict=True))
 
 
-def requests_received(pool: InferencePool) -> int:
-    """Requests the (one) server has received so far, running, waiting or finished (from its
-    Prometheus metrics)."""
+def generated_tokens(pool: InferencePool) -> int:
+    """Tokens the (one) server has generated so far (from its Prometheus metrics)."""
     text = httpx.get(f"{pool.endpoints[0].base_url}/metrics", timeout=30).text
-    kinds = ("vllm:num_requests_running{", "vllm:num_requests_waiting{")
-    kinds += ("vllm:request_success_total{",)
-    lines = [line for line in text.splitlines() if line.startswith(kinds)]
+    lines = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
     return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
 
 
