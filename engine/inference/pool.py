@@ -171,17 +171,14 @@ class InferencePool:
         self._pipe_read, self._pipe_write = os.pipe()
         try:
             started = time.monotonic()
-            ready: set[int] = set()
             for index in range(self.config.num_servers):
                 spec = self._spec(index, model)
-                for earlier in self._servers:
-                    if earlier.spec.index not in ready and earlier.spec.shares_gpu_with(spec):
+                for earlier in self._servers:  # a ready server answers its first poll
+                    if earlier.spec.shares_gpu_with(spec):
                         self._wait_ready(earlier.spec.index, started)
-                        ready.add(earlier.spec.index)
                 self._servers.append(self._launch(spec))
             for index in range(self.config.num_servers):
-                if index not in ready:
-                    self._wait_ready(index, started)
+                self._wait_ready(index, started)
             self.endpoints = [
                 Endpoint(index=s.spec.index, base_url=s.spec.base_url, model=self.model_name)
                 for s in self._servers
