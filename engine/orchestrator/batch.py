@@ -9,6 +9,7 @@ rollout without the others), and the batch closes at the first group that takes 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,17 @@ class BatchBuilder:
     @property
     def full(self) -> bool:
         return self.size >= self._batch_size
+
+    def samples_short(self, tokens_per_sample: float | None) -> float:
+        """About how many more samples fill the batch. A token budget is converted at this
+        batch's mean sample size, else at `tokens_per_sample` (a previous batch's), else it
+        cannot be told: infinity."""
+        missing = self._batch_size - self.size
+        if self._unit == "samples":
+            return missing
+        if self.batch.samples:
+            tokens_per_sample = self.batch.num_tokens / len(self.batch.samples)
+        return math.ceil(missing / tokens_per_sample) if tokens_per_sample else math.inf
 
     def add(self, group: Group, served_version: int) -> bool:
         """Admit the group if it is fresh, minus what the filters drop; count the rest under

@@ -104,6 +104,8 @@ class Orchestrator:
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
         self._pending: deque[tuple[int, Group]] = deque()
+        #: Mean tokens a sample of the last committed batch (sizes on-policy launches).
+        self._tokens_per_sample: float | None = None
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
@@ -127,6 +129,8 @@ class Orchestrator:
                 self._timing = dict.fromkeys(self._timing, 0.0)
                 batch = await self._collect(step)
                 await self._commit(step, batch, time.monotonic() - started)
+                if batch.samples:
+                    self._tokens_per_sample = batch.num_tokens / len(batch.samples)
             if self._reload is not None:
                 await self._reload  # a policy that failed verification fails the run
         finally:
@@ -171,7 +175,7 @@ class Orchestrator:
             if builder.full:
                 return builder.batch
             if may_sample_for(step, served, self.config.max_async_level):
-                self._top_up()
+                self._top_up(builder)
             if not self._inflight:
                 blocked_since = blocked_since or time.monotonic()
                 self._check_wait(step, served, time.monotonic() - blocked_since)
@@ -211,11 +215,21 @@ class Orchestrator:
             f"{waited_s:.0f} s (orchestrator.policy_timeout_s); is the trainer running?"
         )
 
-    def _top_up(self) -> None:
-        """Start groups until `max_concurrent` rollouts are in flight (at least one group)."""
+    def _top_up(self, builder: BatchBuilder) -> None:
+        """Start groups until `max_concurrent` rollouts are in flight (at least one group).
+
+        On-policy (`max_async_level = 0`), only as many as the batch still lacks: every
+        rollout in flight was started for this batch, and one that lands after it closed is
+        stale for the next and thrown away (with `max_concurrent` at twice the batch, half of
+        all sampling was). Async, the surplus goes into the next batches.
+        """
         per_group = self.config.rollouts_per_example
-        while not self._inflight or (len(self._inflight) + 1) * per_group <= (
-            self.config.max_concurrent
+        wanted = math.inf
+        if self.config.max_async_level == 0:
+            wanted = builder.samples_short(self._tokens_per_sample)
+        while not self._inflight or (
+            (len(self._inflight) + 1) * per_group <= self.config.max_concurrent
+            and len(self._inflight) * per_group < wanted
         ):
             index, entry, task = self.mix.next(self._landed)
             self._landed[index] += 1

@@ -176,6 +176,11 @@ def test_synchronous_bound_waits_for_and_loads_the_next_policy_version(
     assert {row["policy_version"] for row in rows_of(config, 1)} == {0}
     assert {row["policy_version"] for row in rows_of(config, 2)} == {1}
     assert pool.policy_version == 1
+    # On-policy, only what a batch still lacks is sampled (max_concurrent 16 is two batches):
+    # nothing lands after its batch closed to be thrown away as stale.
+    for line in read_metrics(run_store(config), "orchestrator"):
+        assert line["count/stale/async_bound"] == 0
+        assert line["tokens/reverse-text/stale"] == 0
 
 
 class HeldReloads:

@@ -115,3 +115,19 @@ def test_token_batches_count_tokens() -> None:
     assert builder.size == 8 and not builder.full
     builder.add(group(1, [1.0]), served_version=0)
     assert builder.full
+
+
+def test_samples_short_of_a_batch_in_samples_and_in_tokens() -> None:
+    def builder(unit: str, size: int) -> BatchBuilder:
+        return BatchBuilder(
+            1, batch_size=size, unit=unit, filters=[], max_async_level=0, max_off_policy_steps=1
+        )
+
+    samples = builder("samples", 8)
+    samples.add(group(0, [1.0, 0.0, 0.5]), served_version=0)
+    assert samples.samples_short(None) == 5
+    tokens = builder("tokens", 40)
+    assert tokens.samples_short(None) == math.inf  # nothing to size a sample by yet
+    assert tokens.samples_short(16.0) == 3  # a previous batch's mean: 40 / 16, rounded up
+    tokens.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
+    assert tokens.samples_short(16.0) == 8  # this batch's own mean wins: 32 / 4
