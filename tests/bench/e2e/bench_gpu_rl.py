@@ -119,6 +119,7 @@ def step_times(train: list[dict], orch: list[dict], started: float) -> list[dict
     return [
         {
             "step": t["step"],
+            "time": t["time"],
             "interval_s": t["time"] - previous["time"] if previous else t["time"] - started,
             "trainer_wait_s": t["wait_seconds"],
             "train_s": t["step_seconds"],

@@ -11,11 +11,20 @@ second are read from each tenant's committed trainer metrics, leaving its first
 `WARMUP_STEPS` out; together, the aggregate is every tenant's steps inside the window in which
 all of them were training, over that window. `--rounds N` measures alone-then-together N
 times on the same pools and reports the median ratio, each round's, and a table of the median
-step parts (the trainer's and the orchestrator's, as `bench_gpu_rl` breaks a step down).
+step parts (the trainer's and the orchestrator's, as `bench_gpu_rl` breaks a step down) with
+the sampled tokens per second the tenants trained on (what the shared server delivered).
+
+`--variant NAME=FLAGS` measures several tenant settings on the same pools, one after another
+in each round (the pools start once: on the H200 that is 2-4 minutes of a 10-minute call).
+FLAGS are config flags for the tenants only (the pools keep the base config); the default is
+one variant, `async`, with none. The JSON result is rewritten after every phase, so a call
+cut off by its time limit still brings back the phases it finished.
 
     python -m tests.bench.e2e.bench_tenants --steps 12 --out bench_tenants.json      # one GPU
     python -m tests.bench.e2e.bench_tenants --steps 14 --rounds 2 --mps -- --trainer.compile true \
         --trainer.micro-batch-tokens 16384                    # under MPS, compiled trainer
+    # ... async tenants (the default) and strictly on-policy ones, on the same pools:
+    #   --variant async= --variant 'on-policy=--orchestrator.max-async-level 0'
     # ... and two vLLM servers sharing the GPU (each half the memory share), to lift the
     # serving path's per-server ceiling: add  --inference.num-servers 2
     #   --inference.gpu-ids '[0,0]' --inference.gpu-memory-utilization 0.15
@@ -27,7 +36,10 @@ step parts (the trainer's and the orchestrator's, as `bench_gpu_rl` breaks a ste
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,6 +48,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +90,26 @@ def mps_daemon(folder: Path) -> Iterator[None]:
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=60)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Tenant settings to measure: a name for the table and config flags for the tenants."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+
+
+def parse_variant(text: str) -> Variant:
+    """`NAME=FLAGS` (FLAGS split as a shell would) as a `Variant`."""
+    name, _, flags = text.partition("=")
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f"a variant is NAME=FLAGS, got {text!r}")
+    return Variant(name.strip(), tuple(shlex.split(flags)))
+
+
 def tenant_main(config_path: str) -> None:
-    """One tenant's RL stage on the shared pools (a subprocess of `run_tenants`)."""
+    """One tenant's RL stage on the shared pools (a subprocess of `run_tenants`), logging its
+    steps and swaps to its log file."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = PrimeflowConfig.model_validate_json(Path(config_path).read_text())
     view = AttachedPool.from_record(PoolRecord.read(POOLS), config)
     try:
@@ -101,60 +132,82 @@ def run_tenants(config: PrimeflowConfig, names: Sequence[str], workdir: Path) ->
     for name, process in processes:
         if process.wait() != 0:
             raise RuntimeError(f"tenant {name} failed; see {workdir / f'{name}.log'}")
-    stores = {name: run_store(with_overrides(config, {"run.name": name})) for name in names}
-    train = {name: read_metrics(store, "rl") for name, store in stores.items()}
-    parts = [
-        step
-        for name, store in stores.items()
-        for step in step_times(train[name], read_metrics(store, "orchestrator"), started)[
-            WARMUP_STEPS:
-        ]
-    ]
-    times = {name: [line["time"] for line in lines] for name, lines in train.items()}
-    start = max(steps[WARMUP_STEPS] for steps in times.values())
-    end = min(steps[-1] for steps in times.values())
-    inside = sum(sum(1 for t in steps if start < t <= end) for steps in times.values())
+    steps = {}
+    for name in names:
+        store = run_store(with_overrides(config, {"run.name": name}))
+        steps[name] = step_times(
+            read_metrics(store, "rl"), read_metrics(store, "orchestrator"), started
+        )
+    start = max(lines[WARMUP_STEPS]["time"] for lines in steps.values())
+    end = min(lines[-1]["time"] for lines in steps.values())
+    inside = [step for lines in steps.values() for step in lines if start < step["time"] <= end]
+    measured = [step for lines in steps.values() for step in lines[WARMUP_STEPS:]]
     return {
         "tenants": list(names),
-        "step_times": times,
+        "step_times": {name: [step["time"] for step in lines] for name, lines in steps.items()},
         "window_s": end - start,
-        "steps_in_window": inside,
-        "steps_per_s": inside / (end - start),
+        "steps_in_window": len(inside),
+        "steps_per_s": len(inside) / (end - start),
+        "sampled_tokens_per_s": sum(step["sampled_tokens"] for step in inside) / (end - start),
         "median_s": {
-            key: statistics.median(step[key] for step in parts)
+            key: statistics.median(step[key] for step in measured)
             for key in (*STEP_TIMES, "sample_step_s")
         },
     }
 
 
-def one_round(config: PrimeflowConfig, workdir: Path, index: int) -> dict[str, Any]:
-    """One tenant alone, then two at once, on the same running pools."""
-    alone = run_tenants(config, [f"alone-{index}"], workdir)
-    print(f"round {index}: one tenant alone {alone['steps_per_s']:.2f} steps/s", flush=True)
-    together = run_tenants(config, [f"first-{index}", f"second-{index}"], workdir)
+def one_round(
+    config: PrimeflowConfig, variant: Variant, workdir: Path, index: int
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """One tenant alone, then two at once, on the same running pools: each phase's result
+    as it ends (`alone`, `together`), then the ratio (`aggregate_over_alone`)."""
+    label = f"round {index}, {variant.name}"
+    alone = run_tenants(config, [f"{variant.name}-alone-{index}"], workdir)
+    print(f"{label}: one tenant alone {alone['steps_per_s']:.2f} steps/s", flush=True)
+    yield "alone", alone
+    names = [f"{variant.name}-first-{index}", f"{variant.name}-second-{index}"]
+    together = run_tenants(config, names, workdir)
     ratio = together["steps_per_s"] / alone["steps_per_s"]
-    print(
-        f"round {index}: two tenants {together['steps_per_s']:.2f} steps/s ({ratio:.2f}×)",
-        flush=True,
-    )
-    return {"alone": alone, "together": together, "aggregate_over_alone": ratio}
+    print(f"{label}: two tenants {together['steps_per_s']:.2f} steps/s ({ratio:.2f}×)", flush=True)
+    yield "together", together
+    yield "aggregate_over_alone", ratio
 
 
-def table(rounds: Sequence[dict[str, Any]]) -> str:
-    """Each round's rates and median step parts, as Markdown (the docs' table)."""
+def finished_ratios(variant: dict[str, Any]) -> list[float]:
+    """A variant's aggregate-over-alone ratios, of the rounds that got that far."""
+    return [r["aggregate_over_alone"] for r in variant["rounds"] if "aggregate_over_alone" in r]
+
+
+def table(variants: dict[str, dict[str, Any]]) -> str:
+    """Each variant's rates and median step parts by round, as Markdown (the docs' table)."""
     keys = (*STEP_TIMES, "sample_step_s")
     rows = [
-        "| round | tenants | steps/s | " + " | ".join(keys) + " |",
-        "|---" * (len(keys) + 3) + "|",
+        "| variant | round | tenants | steps/s | sampled tokens/s | " + " | ".join(keys) + " |",
+        "|---" * (len(keys) + 5) + "|",
     ]
-    for index, result in enumerate(rounds):
-        for setting in ("alone", "together"):
-            part = result[setting]
-            cells = " | ".join(f"{part['median_s'][key]:.2f}" for key in keys)
-            tenants = len(part["tenants"])
-            rows.append(f"| {index} | {tenants} | {part['steps_per_s']:.2f} | {cells} |")
-    ratios = ", ".join(f"{result['aggregate_over_alone']:.2f}" for result in rounds)
-    return "\n".join([*rows, "", f"aggregate over alone, by round: {ratios}"])
+    for name, result in variants.items():
+        for index, measured in enumerate(result["rounds"]):
+            for setting in ("alone", "together"):
+                if setting not in measured:
+                    continue
+                part = measured[setting]
+                cells = " | ".join(f"{part['median_s'][key]:.2f}" for key in keys)
+                rows.append(
+                    f"| {name} | {index} | {len(part['tenants'])} | {part['steps_per_s']:.2f} "
+                    f"| {part['sampled_tokens_per_s']:.0f} | {cells} |"
+                )
+    rows.append("")
+    for name, result in variants.items():
+        shown = ", ".join(f"{ratio:.2f}" for ratio in finished_ratios(result))
+        rows.append(f"{name}: aggregate over alone, by round: {shown}")
+    return "\n".join(rows)
+
+
+def summarise(variants: dict[str, dict[str, Any]]) -> None:
+    """Each variant's median ratio over the rounds that finished."""
+    for result in variants.values():
+        ratios = finished_ratios(result)
+        result["aggregate_over_alone"] = statistics.median(ratios) if ratios else None
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -169,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--rounds", type=int, default=1, help="alone-then-together rounds on the same pools"
     )
+    parser.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        help="NAME=FLAGS: tenant settings to measure (repeat for several); default async=",
+    )
     parser.add_argument("overrides", nargs="*", help="extra config flags, after --")
     args = parser.parse_args(argv)
     if args.tenant:
@@ -176,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     if args.steps <= WARMUP_STEPS + 1:
         parser.error(f"--steps must be more than {WARMUP_STEPS + 1}")
+    variants: list[Variant] = args.variant or [Variant("async")]
+    if len({variant.name for variant in variants}) != len(variants):
+        parser.error("variant names must differ")
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-tenants-", dir=args.workdir))
@@ -183,30 +245,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     files = args.config or [str(path) for path in CONFIGS]
     extra = [*LORA, *SMALL, "--pools.name", POOLS, "--pools.tenants", "2", *args.overrides]
     config = bench_config(files, workdir, args.model, args.steps, extra)
+    tenants = {
+        variant.name: bench_config(files, workdir, args.model, args.steps, [*extra, *variant.flags])
+        for variant in variants
+    }
+    result: dict[str, Any] = {
+        **run_facts(config, args.model, args.steps),
+        "mps": args.mps,
+        "variants": {v.name: {"flags": list(v.flags), "rounds": []} for v in variants},
+    }
     with mps_daemon(workdir / "mps") if args.mps else nullcontext():
         pools = SharedPools(config)
         started = time.perf_counter()
         pools.start()
-        startup_s = time.perf_counter() - started
-        print(f"pools ready in {startup_s:.0f} s", flush=True)
+        result["pools_startup_s"] = time.perf_counter() - started
+        print(f"pools ready in {result['pools_startup_s']:.0f} s", flush=True)
         stop = threading.Event()
         supervisor = threading.Thread(target=pools.serve, args=(stop,), daemon=True)
         supervisor.start()
         try:
-            rounds = [one_round(config, workdir, index) for index in range(args.rounds)]
+            for index in range(args.rounds):
+                for variant in variants:
+                    measured: dict[str, Any] = {}
+                    result["variants"][variant.name]["rounds"].append(measured)
+                    for key, value in one_round(tenants[variant.name], variant, workdir, index):
+                        measured[key] = value
+                        if args.out:  # what finished survives a cut-off call
+                            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         finally:
             stop.set()
             supervisor.join()
             pools.stop()
-    result = {
-        **run_facts(config, args.model, args.steps),
-        "mps": args.mps,
-        "pools_startup_s": startup_s,
-        "rounds": rounds,
-        "aggregate_over_alone": statistics.median(r["aggregate_over_alone"] for r in rounds),
-    }
+    summarise(result["variants"])
     emit(result, args.out)
-    print(table(rounds))
+    print(table(result["variants"]))
     return result
 
 
