@@ -38,6 +38,23 @@ class StepBatch:
         return sum(sample.num_tokens for sample in self.samples)
 
 
+@dataclass(frozen=True)
+class BatchYield:
+    """What a committed batch's samples held and its rollouts gave: sizes later launches."""
+
+    tokens_per_sample: float
+    samples_per_rollout: float
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> BatchYield | None:
+        """`batch`'s yield (None for a batch without samples or rollouts)."""
+        rollouts = batch.counts["rollouts"]
+        if not batch.samples or not rollouts:
+            return None
+        samples = len(batch.samples)
+        return cls(batch.num_tokens / samples, samples / rollouts)
+
+
 class BatchBuilder:
     """Admits groups into batch `step` until it holds `batch_size` samples or tokens."""
 
@@ -70,16 +87,20 @@ class BatchBuilder:
     def full(self) -> bool:
         return self.size >= self._batch_size
 
-    def samples_short(self, tokens_per_sample: float | None) -> float:
-        """About how many more samples fill the batch. A token budget is converted at this
-        batch's mean sample size, else at `tokens_per_sample` (a previous batch's), else it
-        cannot be told: infinity."""
-        missing = self._batch_size - self.size
-        if self._unit == "samples":
-            return missing
-        if self.batch.samples:
-            tokens_per_sample = self.batch.num_tokens / len(self.batch.samples)
-        return math.ceil(missing / tokens_per_sample) if tokens_per_sample else math.inf
+    def rollouts_short(self, last: BatchYield | None) -> float:
+        """About how many more rollouts fill the batch, at what the last batch (`last`) got
+        from each: a token budget is sized at this batch's mean sample, else at the last
+        one's, else it cannot be told (infinity); filters and stale groups thin the yield,
+        multi-turn splits raise it."""
+        missing: float = self._batch_size - self.size
+        if self._unit == "tokens":
+            if self.batch.samples:
+                missing /= self.batch.num_tokens / len(self.batch.samples)
+            elif last is not None:
+                missing /= last.tokens_per_sample
+            else:
+                return math.inf
+        return math.ceil(missing / (last.samples_per_rollout if last is not None else 1.0))
 
     def add(self, group: Group, served_version: int) -> bool:
         """Admit the group if it is fresh, minus what the filters drop; count the rest under

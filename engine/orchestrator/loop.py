@@ -28,7 +28,7 @@ from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task,
 from engine.inference.control import ServedWeightsMismatchError
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
-from engine.orchestrator.batch import BatchBuilder, StepBatch
+from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import Group, TrainSample, build_group
 from engine.orchestrator.step_metrics import mix_shares, step_metrics
@@ -104,8 +104,8 @@ class Orchestrator:
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
         self._pending: deque[tuple[int, Group]] = deque()
-        #: Mean tokens a sample of the last committed batch (sizes on-policy launches).
-        self._tokens_per_sample: float | None = None
+        #: What the last committed batch got per rollout (sizes on-policy launches).
+        self._last_yield: BatchYield | None = None
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
@@ -129,8 +129,7 @@ class Orchestrator:
                 self._timing = dict.fromkeys(self._timing, 0.0)
                 batch = await self._collect(step)
                 await self._commit(step, batch, time.monotonic() - started)
-                if batch.samples:
-                    self._tokens_per_sample = batch.num_tokens / len(batch.samples)
+                self._last_yield = BatchYield.of(batch) or self._last_yield
             if self._reload is not None:
                 await self._reload  # a policy that failed verification fails the run
         finally:
@@ -218,15 +217,16 @@ class Orchestrator:
     def _top_up(self, builder: BatchBuilder) -> None:
         """Start groups until `max_concurrent` rollouts are in flight (at least one group).
 
-        On-policy (`max_async_level = 0`), only as many as the batch still lacks: every
-        rollout in flight was started for this batch, and one that lands after it closed is
-        stale for the next and thrown away (with `max_concurrent` at twice the batch, half of
-        all sampling was). Async, the surplus goes into the next batches.
+        On-policy (`max_async_level = 0`), only as many as the batch still lacks at the last
+        batch's yield (filters thin it): every rollout in flight was started for this batch,
+        and one that lands after it closed is stale for the next and thrown away (with
+        `max_concurrent` at twice the batch, half of all sampling was). Async, the surplus
+        goes into the next batches.
         """
         per_group = self.config.rollouts_per_example
         wanted = math.inf
         if self.config.max_async_level == 0:
-            wanted = builder.samples_short(self._tokens_per_sample)
+            wanted = builder.rollouts_short(self._last_yield)
         while not self._inflight or (
             (len(self._inflight) + 1) * per_group <= self.config.max_concurrent
             and len(self._inflight) * per_group < wanted

@@ -110,6 +110,7 @@ def tenant_main(config_path: str) -> None:
     """One tenant's RL stage on the shared pools (a subprocess of `run_tenants`), logging its
     steps and swaps to its log file."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request
     config = PrimeflowConfig.model_validate_json(Path(config_path).read_text())
     view = AttachedPool.from_record(PoolRecord.read(POOLS), config)
     try:

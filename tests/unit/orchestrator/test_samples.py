@@ -8,7 +8,7 @@ import math
 from engine.config.orchestrator import DifficultyFilterConfig
 from engine.envs import Rollout, Turn
 from engine.orchestrator.advantages import group_relative
-from engine.orchestrator.batch import BatchBuilder
+from engine.orchestrator.batch import BatchBuilder, BatchYield
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import build_group
 from tests.unit.orchestrator.helpers import group
@@ -117,7 +117,7 @@ def test_token_batches_count_tokens() -> None:
     assert builder.full
 
 
-def test_samples_short_of_a_batch_in_samples_and_in_tokens() -> None:
+def test_rollouts_short_of_a_batch_in_samples_and_in_tokens() -> None:
     def builder(unit: str, size: int) -> BatchBuilder:
         return BatchBuilder(
             1, batch_size=size, unit=unit, filters=[], max_async_level=0, max_off_policy_steps=1
@@ -125,9 +125,21 @@ def test_samples_short_of_a_batch_in_samples_and_in_tokens() -> None:
 
     samples = builder("samples", 8)
     samples.add(group(0, [1.0, 0.0, 0.5]), served_version=0)
-    assert samples.samples_short(None) == 5
+    assert samples.rollouts_short(None) == 5
+    # Half the last batch's rollouts were filtered out: twice as many are needed.
+    assert samples.rollouts_short(BatchYield(16.0, 0.5)) == 10
     tokens = builder("tokens", 40)
-    assert tokens.samples_short(None) == math.inf  # nothing to size a sample by yet
-    assert tokens.samples_short(16.0) == 3  # a previous batch's mean: 40 / 16, rounded up
+    assert tokens.rollouts_short(None) == math.inf  # nothing to size a sample by yet
+    assert tokens.rollouts_short(BatchYield(16.0, 1.0)) == 3  # the last batch's: 40 / 16
     tokens.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
-    assert tokens.samples_short(16.0) == 8  # this batch's own mean wins: 32 / 4
+    assert tokens.rollouts_short(BatchYield(16.0, 1.0)) == 8  # this batch's own mean: 32 / 4
+
+
+def test_a_batch_yield_is_its_samples_per_rollout_and_tokens_per_sample() -> None:
+    builder = BatchBuilder(
+        1, batch_size=4, unit="samples", filters=[], max_async_level=1, max_off_policy_steps=0
+    )
+    assert BatchYield.of(builder.batch) is None
+    builder.add(group(0, [1.0, 0.0], version=0), served_version=3)  # stale: 3 behind
+    builder.add(group(1, [1.0, 0.0]), served_version=0)
+    assert BatchYield.of(builder.batch) == BatchYield(4.0, 0.5)
