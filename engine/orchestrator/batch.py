@@ -94,12 +94,10 @@ class BatchBuilder:
         multi-turn splits raise it."""
         missing: float = self._batch_size - self.size
         if self._unit == "tokens":
-            if self.batch.samples:
-                missing /= self.batch.num_tokens / len(self.batch.samples)
-            elif last is not None:
-                missing /= last.tokens_per_sample
-            else:
+            sizing = BatchYield.of(self.batch) or last
+            if sizing is None:
                 return math.inf
+            missing /= sizing.tokens_per_sample
         return math.ceil(missing / (last.samples_per_rollout if last is not None else 1.0))
 
     def add(self, group: Group, served_version: int) -> bool:

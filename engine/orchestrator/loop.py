@@ -129,7 +129,7 @@ class Orchestrator:
                 self._timing = dict.fromkeys(self._timing, 0.0)
                 batch = await self._collect(step)
                 await self._commit(step, batch, time.monotonic() - started)
-                self._last_yield = BatchYield.of(batch) or self._last_yield
+                self._last_yield = BatchYield.of(batch)
             if self._reload is not None:
                 await self._reload  # a policy that failed verification fails the run
         finally:

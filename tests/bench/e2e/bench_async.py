@@ -139,12 +139,16 @@ def run_variant(
     )
 
 
+def save(result: dict, out: str | None) -> None:
+    """Write the result as JSON to `out`, when given."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def emit(result: dict, out: str | None) -> None:
     """Print the result as JSON, and write it to `out` too when given."""
-    text = json.dumps(result, indent=2)
-    print(text)
-    if out:
-        Path(out).write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    save(result, out)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

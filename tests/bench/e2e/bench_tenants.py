@@ -36,7 +36,6 @@ cut off by its time limit still brings back the phases it finished.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
@@ -59,7 +58,7 @@ from engine.shared_pools import SharedPools
 from engine.stages import run_rl
 from engine.tenancy import PoolRecord
 from storage.metrics import read_metrics
-from tests.bench.e2e.bench_async import emit
+from tests.bench.e2e.bench_async import emit, save
 from tests.bench.e2e.bench_gpu_rl import (
     CONFIGS,
     STEP_TIMES,
@@ -271,8 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     result["variants"][variant.name]["rounds"].append(measured)
                     for key, value in one_round(tenants[variant.name], variant, workdir, index):
                         measured[key] = value
-                        if args.out:  # what finished survives a cut-off call
-                            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                        save(result, args.out)  # what finished survives a cut-off call
         finally:
             stop.set()
             supervisor.join()
