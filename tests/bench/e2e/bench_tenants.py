@@ -25,8 +25,8 @@ cut off by its time limit still brings back the phases it finished.
         --trainer.micro-batch-tokens 16384                    # under MPS, compiled trainer
     # ... async tenants (the default) and strictly on-policy ones, on the same pools:
     #   --variant async= --variant 'on-policy=--orchestrator.max-async-level 0'
-    # ... and two vLLM servers sharing the GPU (each half the memory share), to lift the
-    # serving path's per-server ceiling: add  --inference.num-servers 2
+    # ... and two vLLM servers sharing the GPU (each half the memory share; on one H200 their
+    # adapter swaps took 1.5-3 s, so they were slower than one): add  --inference.num-servers 2
     #   --inference.gpu-ids '[0,0]' --inference.gpu-memory-utilization 0.15
     # the instrument itself on a CPU machine, with the tiny shared pools of the example:
     python -m tests.bench.e2e.bench_tenants --config configs/multi_tenant/pools.toml \
