@@ -302,9 +302,9 @@ def test_requests_in_flight_keep_the_oldest_version(
             break
         base_pool.reload(weights.base, version=0)
     assert in_flight and across, switched  # requests were decoding when the weights changed
-    # Decoded across the reload: stamped with the version it started on. A request the server
-    # failed during the reload's pause is sent again (transient errors are retried) and then
-    # decodes wholly on the new weights, stamped with them: never newer than its first token.
+    # Decoded across the reload: stamped with the version it started on. A request whose send
+    # failed transiently (e.g. a keep-alive connection the server had closed) is sent again,
+    # and a resend after the reload decodes wholly on the new weights, stamped with them.
     stamps = [
         (s.policy_version, point) for ((s,), (point, _)) in zip(before, switched, strict=True)
     ]
