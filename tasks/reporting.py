@@ -48,7 +48,10 @@ CHECKPOINT_EVENT = "primeflow.checkpoint.committed"
 #: Metrics shown beside a stage's progress bar, when the stage reports them.
 BAR_METRICS = ("loss", "reward/mean", "eval_loss")
 #: The metrics table's first and last columns; the others sit between them by name.
-TABLE_FIRST = ("step", "reward/mean", "loss", "eval_loss", "policy_version")
+TABLE_FIRST = (
+    "step", "reward/mean", "eval/greedy/avg@1", "entropy", "advantage/zero_group_fraction",
+    "loss", "eval_loss", "policy_version",
+)  # fmt: skip
 TABLE_LAST = ("stage", "time")
 log = logging.getLogger(__name__)
 

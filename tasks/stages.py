@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine.config import PrimeflowConfig
 from engine.inference.on_demand import PoolOnDemand
+from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.results import EvalResult, StageResult
 from engine.run import Run
 from engine.stages import EvalStep, StageHungError, finished, run_eval, run_rl, run_sft, total_steps
@@ -31,7 +32,7 @@ def _monitor(
         stage,
         total_steps=total_steps(config, stage),
         checkpoint_parent=RunLayout.stage_checkpoints(stage),
-        also=("orchestrator",) if stage == "rl" else (),
+        also=("orchestrator", ONLINE_EVAL_STAGE) if stage == "rl" else (),
         on_step=sink.log if sink is not None else None,
     )
 

@@ -46,6 +46,20 @@ class EvalConfig(BaseConfig):
         Field(description="Reward that counts as solved for pass@k; None: each env's own."),
     ] = None
     max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
+    interval: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="During RL, evaluate the served policy on these held-out examples "
+            "every N policy versions (and version 0), greedy and sampled as set here: the "
+            "`eval-online` metric lines, the UI's metrics table and the report's curve. "
+            "None: only the pipeline's evaluations.",
+        ),
+    ] = None
+    interval_examples: Annotated[
+        int | None,
+        Field(ge=1, description="Held-out examples per evaluation during RL; None: num_examples."),
+    ] = None
 
     @model_validator(mode="after")
     def _env_labels_are_unique(self) -> EvalConfig:

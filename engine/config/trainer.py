@@ -68,7 +68,27 @@ SchedulerConfig = Annotated[
 ]
 
 
-class AipoLossConfig(BaseConfig):
+class BuiltinLossConfig(BaseConfig):
+    """What every built-in RL loss shares: how tokens are weighed, and an entropy bonus."""
+
+    normalization: Annotated[
+        Literal["token", "sequence"],
+        Field(
+            description="token: every loss token of the step weighs the same (long answers "
+            "weigh more); sequence: every sample weighs the same, its tokens averaged first."
+        ),
+    ] = "token"
+    entropy_coef: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Subtract this × the policy's entropy per token from the loss, "
+            "which keeps sampling exploring; 0: off.",
+        ),
+    ] = 0.0
+
+
+class AipoLossConfig(BuiltinLossConfig):
     """AIPO: token-level ratio π_train/π_inference, capped, times the advantage; no KL."""
 
     type: Literal["aipo"] = "aipo"
@@ -77,7 +97,7 @@ class AipoLossConfig(BaseConfig):
     ] = 8.0
 
 
-class MaskedRatioLossConfig(BaseConfig):
+class MaskedRatioLossConfig(BuiltinLossConfig):
     """Tokens whose importance ratio leaves [low, high] are masked; small log-ratio² KL term."""
 
     type: Literal["masked_ratio"] = "masked_ratio"
@@ -90,8 +110,22 @@ class MaskedRatioLossConfig(BaseConfig):
     ] = 1e-3
 
 
+class PpoClipLossConfig(BuiltinLossConfig):
+    """GRPO/PPO's clipped surrogate: min(r·A, clip(r, 1-low, 1+high)·A), r against inference."""
+
+    type: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: Annotated[
+        float, Field(gt=0, lt=1, description="Lower clip: the ratio may fall to 1 - this.")
+    ] = 0.2
+    clip_high: Annotated[
+        float,
+        Field(gt=0, description="Upper clip: the ratio may rise to 1 + this (DAPO: 0.28)."),
+    ] = 0.28
+
+
 LossConfig = Annotated[
-    AipoLossConfig | MaskedRatioLossConfig | CustomPluginConfig, Field(discriminator="type")
+    AipoLossConfig | MaskedRatioLossConfig | PpoClipLossConfig | CustomPluginConfig,
+    Field(discriminator="type"),
 ]
 
 

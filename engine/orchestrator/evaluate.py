@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from engine.config.evaluation import EvalConfig
 from engine.config.orchestrator import SamplingConfig
-from engine.envs import Environment, Rollout, TurnGenerator, assemble
+from engine.envs import Environment, MixEntry, Rollout, TurnGenerator, assemble
 from engine.orchestrator.samples import skip_reason
 
 
@@ -155,3 +156,51 @@ def summary_document(
         **headline,
         "envs": per_env,
     }
+
+
+Decode = Callable[[list[int]], str]
+
+
+def decoder(tokenizer: Any) -> Decode:
+    """Token ids → text with special tokens kept (results show the raw completion)."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return decode
+
+
+async def evaluate_envs(
+    config: EvalConfig,
+    entries: Sequence[MixEntry],
+    generator: TurnGenerator,
+    decode: Decode,
+    *,
+    num_examples: int | None = None,
+) -> tuple[list[dict], dict[str, dict]]:
+    """Every environment's held-out tasks, sampled k times and (when asked) once greedily,
+    both at once: the result rows and each environment's summary. `num_examples` overrides
+    the config's (evaluations during RL take fewer)."""
+    k = config.rollouts_per_example
+    results: list[dict] = []
+    per_env: dict[str, dict] = {}
+    for entry in entries:
+        threshold = (
+            config.pass_threshold if config.pass_threshold is not None else entry.env.pass_threshold
+        )
+        common = {
+            "num_examples": num_examples or config.num_examples,
+            "max_concurrent": config.max_concurrent,
+            "threshold": threshold,
+        }
+        greedy_sampling = entry.sampling.model_copy(update={"temperature": 0.0})
+        plays = [play(entry.env, generator, entry.sampling, k=k, **common)]
+        if config.greedy:
+            plays.append(play(entry.env, generator, greedy_sampling, k=1, **common))
+        sampled, *greedy = await asyncio.gather(*plays)
+        per_env[entry.env.name] = {**summarize(sampled, k), "pass_threshold": threshold}
+        results += rows(sampled, "sampled", entry.sampling, decode)
+        if greedy:
+            per_env[entry.env.name]["greedy"] = summarize(greedy[0], 1)
+            results += rows(greedy[0], "greedy", greedy_sampling, decode)
+    return results, per_env

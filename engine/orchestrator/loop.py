@@ -6,7 +6,8 @@ simply lands in a later batch (if it is still fresh enough). Each finished group
 given advantages and admitted to the step being built by `BatchBuilder`, which enforces the
 async bound and the filters. New rollouts start only while the policy the pool serves may go
 into that step; otherwise the loop waits for the trainer's next policy version, which it asks
-the pool to load as soon as it is committed.
+the pool to load as soon as it is committed. With `eval.interval` set, the policy served is also
+evaluated on held-out tasks every so many versions (`engine.orchestrator.online_eval`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
 from engine.orchestrator.filters import build_filters
+from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
 from engine.orchestrator.step_metrics import mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
@@ -86,6 +88,7 @@ class Orchestrator:
         envs: Sequence[MixEntry],
         seed: int = 0,
         stop: threading.Event | None = None,
+        online_eval: OnlineEval | None = None,
     ) -> None:
         if config.max_steps is None or config.seq_len is None:
             raise ValueError("orchestrator.max_steps and seq_len must be set (shared fields)")
@@ -111,6 +114,10 @@ class Orchestrator:
         self._reload_failures = 0
         #: The load of a newer policy version into the pool, while one runs.
         self._reload: asyncio.Task[None] | None = None
+        self.online_eval = online_eval
+        #: The held-out evaluation of the served policy, while one runs (no reload meanwhile).
+        self._evaluation: asyncio.Task[dict] | None = None
+        self._last_evaluated = online_eval.last_done(store) if online_eval else None
         # Seconds of the step being built: reloads that ended in it, blocked on the policy.
         self._timing = {"time/reload_s": 0.0, "time/policy_wait_s": 0.0}
         # Set by a supervising thread: without it a loop whose trainer died would keep sampling
@@ -132,6 +139,8 @@ class Orchestrator:
                 self._last_yield = BatchYield.of(batch)
             if self._reload is not None:
                 await self._reload  # a policy that failed verification fails the run
+            if self._evaluation is not None:
+                await self._evaluation
         finally:
             await self._cancel_inflight()
         return self.metrics
@@ -190,8 +199,7 @@ class Orchestrator:
     async def _wait_for(self, tasks: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
         """Wait up to a poll interval for one of `tasks` or the running reload to end; the
         ones that ended (a finished reload wakes the loop to sample on the new version)."""
-        if self._reload is not None:
-            tasks = {*tasks, self._reload}
+        tasks = {*tasks, *(t for t in (self._reload, self._evaluation) if t is not None)}
         if not tasks:
             await asyncio.sleep(self.config.poll_interval_s)
             return set()
@@ -256,6 +264,10 @@ class Orchestrator:
         if self._reload is not None:  # a thread cannot be cancelled: let it end
             await asyncio.gather(self._reload, return_exceptions=True)
             self._reload = None
+        if self._evaluation is not None:
+            self._evaluation.cancel()
+            await asyncio.gather(self._evaluation, return_exceptions=True)
+            self._evaluation = None
 
     # -- policy -----------------------------------------------------------------------------
 
@@ -271,12 +283,22 @@ class Orchestrator:
         The load runs beside the loop: requests sent meanwhile name the version served when
         they were sent (the pool reports a new version only once every server has it), so
         a swap that takes a second no longer stops the loop from sending and collecting.
+
+        A held-out evaluation due on the version served starts first, and no newer version is
+        loaded until it ends.
         """
+        if self._evaluation is not None:
+            if not self._evaluation.done():
+                return
+            evaluated, self._evaluation = self._evaluation, None
+            evaluated.result()  # an evaluation that failed fails the run
         if self._reload is not None:
             if not self._reload.done():
                 return
             finished, self._reload = self._reload, None
             finished.result()  # raises what must stop the run
+        if self._start_evaluation():
+            return
         now = time.monotonic()
         if now - self._last_poll < self.config.poll_interval_s:
             return
@@ -285,6 +307,19 @@ class Orchestrator:
         if latest is None or latest == self.server.policy_version:
             return
         self._reload = asyncio.create_task(self._load_policy(latest))
+
+    def _start_evaluation(self) -> bool:
+        """Start evaluating the served policy when it is due; whether one started."""
+        served = self.server.policy_version
+        if self.online_eval is None or not is_due(
+            served, self._last_evaluated, self.online_eval.interval
+        ):
+            return False
+        self._last_evaluated = served
+        self._evaluation = asyncio.create_task(
+            self.online_eval.run(self.generator, self.store, served)
+        )
+        return True
 
     async def _load_policy(self, version: int) -> None:
         """Load policy `version` into the pool; a failure is retried at the next poll, up to

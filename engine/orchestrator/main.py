@@ -23,8 +23,9 @@ from engine.inference.attached import ServingPool
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
 from engine.models.resolve import resolve_model
-from engine.orchestrator.evaluate import play, rows, summarize, summary_document
+from engine.orchestrator.evaluate import decoder, evaluate_envs, summary_document
 from engine.orchestrator.loop import Orchestrator
+from engine.orchestrator.online_eval import OnlineEval
 from engine.run import logs_dir, run_store, stage_store
 from storage.evals import write_eval
 from storage.layout import RunLayout, Stage
@@ -75,6 +76,10 @@ def run_orchestrator(
     entries = mix_entries(orchestrator_config.envs, orchestrator_config.sampling)
     tokenizer = load_tokenizer(config)
     store = store if store is not None else run_store(config)
+    online_eval = None
+    if config.eval.interval is not None:
+        eval_entries = mix_entries(config.eval.envs, config.eval.sampling)
+        online_eval = OnlineEval(config.eval, eval_entries, decoder(tokenizer))
     with policy_pool(config, pool) as serving:
 
         async def main() -> None:
@@ -90,6 +95,7 @@ def run_orchestrator(
                     envs=entries,
                     seed=config.run.seed,
                     stop=stop,
+                    online_eval=online_eval,
                 ).run()
 
         asyncio.run(main())
@@ -129,7 +135,7 @@ def evaluate_policy(
             pool, max_concurrent=eval_config.max_concurrent
         ) as client:
             generator = TurnGenerator(client, ChatTokenizer(tokenizer), config.orchestrator.seq_len)
-            return await _evaluate(config, entries, generator, tokenizer)
+            return await evaluate_envs(eval_config, entries, generator, decoder(tokenizer))
 
     results, per_env = asyncio.run(main())
     k = eval_config.rollouts_per_example
@@ -139,36 +145,3 @@ def evaluate_policy(
     write_metrics(store, f"eval-{name}", step, flat)
     logger.info("eval %s step %d: %s (%s)", name, step, flat, uri)
     return EvalOutcome(uri=uri, summary=summary)
-
-
-async def _evaluate(
-    config: PrimeflowConfig, entries: list[MixEntry], generator: TurnGenerator, tokenizer: Any
-) -> tuple[list[dict], dict[str, dict]]:
-    eval_config = config.eval
-    k = eval_config.rollouts_per_example
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
-
-    results: list[dict] = []
-    per_env: dict[str, dict] = {}
-    for entry in entries:
-        threshold = (
-            eval_config.pass_threshold
-            if eval_config.pass_threshold is not None
-            else entry.env.pass_threshold
-        )
-        common = {
-            "num_examples": eval_config.num_examples,
-            "max_concurrent": eval_config.max_concurrent,
-            "threshold": threshold,
-        }
-        sampled = await play(entry.env, generator, entry.sampling, k=k, **common)
-        per_env[entry.env.name] = {**summarize(sampled, k), "pass_threshold": threshold}
-        results += rows(sampled, "sampled", entry.sampling, decode)
-        if eval_config.greedy:
-            greedy_sampling = entry.sampling.model_copy(update={"temperature": 0.0})
-            greedy = await play(entry.env, generator, greedy_sampling, k=1, **common)
-            per_env[entry.env.name]["greedy"] = summarize(greedy, 1)
-            results += rows(greedy, "greedy", greedy_sampling, decode)
-    return results, per_env

@@ -1,11 +1,15 @@
-"""Per-step metrics of the orchestrator: rewards, lengths, staleness, drops, throughput."""
+"""Per-step metrics of the orchestrator: rewards, lengths, staleness, drops, throughput, and
+whether the batch can teach anything (advantage health)."""
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 from engine.orchestrator.batch import StepBatch
+from engine.orchestrator.filters import ZERO_TOLERANCE
+from engine.orchestrator.samples import TrainSample
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -17,6 +21,27 @@ def _std(values: Sequence[float]) -> float:
         return 0.0
     mean = _mean(values)
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
+def advantage_health(samples: Sequence[TrainSample]) -> dict[str, float]:
+    """How much of the batch carries a learning signal.
+
+    `advantage/zero_group_fraction`: groups whose every sample has zero advantage (all rewards
+    equal: too easy or too hard), which teach nothing; `advantage/nonzero_token_fraction`: the
+    sampled tokens that carry a gradient; `advantage/group_reward_std`: the mean spread of
+    rewards inside a group, the raw signal group-relative advantages divide up.
+    """
+    groups: dict[int, list[TrainSample]] = defaultdict(list)
+    for sample in samples:
+        groups[sample.group_id].append(sample)
+    zero = [all(abs(s.advantage) <= ZERO_TOLERANCE for s in group) for group in groups.values()]
+    tokens = [sample.sequence.sampled_tokens for sample in samples]
+    signal = [n for n, s in zip(tokens, samples, strict=True) if abs(s.advantage) > ZERO_TOLERANCE]
+    return {
+        "advantage/zero_group_fraction": _mean([float(z) for z in zero]),
+        "advantage/nonzero_token_fraction": sum(signal) / sum(tokens) if sum(tokens) else 0.0,
+        "advantage/group_reward_std": _mean([_std([s.reward for s in g]) for g in groups.values()]),
+    }
 
 
 def step_metrics(batch: StepBatch, *, served_version: int, elapsed_s: float) -> dict[str, float]:
@@ -32,6 +57,7 @@ def step_metrics(batch: StepBatch, *, served_version: int, elapsed_s: float) -> 
         "reward/mean": _mean(all_rewards),
         "reward/std": _std(all_rewards),
         "advantage/abs_mean": _mean([abs(sample.advantage) for sample in samples]),
+        **advantage_health(samples),
         "completion_len/mean": _mean(lengths),
         "completion_len/max": max(lengths, default=0),
         "completion_len/min": min(lengths, default=0),

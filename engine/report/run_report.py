@@ -3,15 +3,17 @@
 `write_run_report(store)` reads only what the run committed to its object store:
 
 - metric lines (`storage.metrics.read_metrics`) of the stages `sft` (trainer loss, eval
-  loss), `rl` (trainer loss) and `orchestrator` (reward of each training batch);
+  loss), `rl` (trainer loss, entropy, clip fractions), `orchestrator` (reward of each training
+  batch, groups without advantage) and `eval-online` (held-out evaluations during RL);
 - every evaluation's latest committed `eval/<name>/step_N/results.arrow`;
 
 and writes, under `<run>/report/`:
 
-- `reward.png`: reward (top) and loss (bottom) per optimizer step, SFT steps first and RL steps
-  after them on one axis; evaluations are drawn where their policy sits on that axis (`base`
-  at 0, `sft` at the end of SFT, any other name at the end of SFT + its checkpoint step), with
-  error bars of one standard error;
+- `reward.png`: reward (top) and loss and learning health (bottom) per optimizer step, SFT
+  steps first and RL steps after them on one axis; evaluations are drawn where their policy
+  sits on that axis (`base` at 0, `sft` at the end of SFT, any other name at the end of SFT +
+  its checkpoint step) with error bars of one standard error, and the held-out evaluations
+  made during RL as curves;
 - `samples.md` / `samples.json`: the same held-out prompts answered by each evaluated policy
   (prompt, completion, reward), before and after;
 - `report.json`: per evaluation and mode (sampled, greedy) the number of examples and samples,
@@ -34,6 +36,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from storage.commit import committed_steps
 from storage.evals import RESULTS
 from storage.layout import RunLayout
@@ -298,23 +301,62 @@ def _draw_evals(
             )
 
 
-def plot_png(
+def _draw_online_evals(ax: Any, lines: Sequence[Mapping[str, Any]]) -> None:
+    """The held-out evaluations made during RL (`eval.interval`), one point per version."""
+    sampled_key = next((k for line in lines for k in line if k.startswith("eval/avg@")), None)
+    for key, color, label in (
+        ("eval/greedy/avg@1", "tab:green", "held-out greedy during RL"),
+        (sampled_key, "tab:red", "held-out sampled during RL"),
+    ):
+        xs, ys = _series(lines, key) if key else ([], [])
+        if xs:
+            ax.plot(xs, ys, ".-", color=color, alpha=0.7, linewidth=1, label=label)
+
+
+def _draw_health(ax: Any, metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    """Whether RL can still learn: the policy's entropy (left axis), and the shares of
+    groups with no advantage and of tokens the loss clipped or capped (right axis)."""
+    ax.grid(alpha=0.3)
+    ax.set_title("RL learning health", fontsize=10)
+    ax.set_xlabel("RL step")
+    xs, ys = _series(metrics.get("rl", []), "entropy")
+    handles = ax.plot(xs, ys, color="tab:brown", linewidth=1.2, label="entropy (nats/token)")
+    ax.set_ylabel("entropy")
+    shares = ax.twinx()
+    shares.set_ylabel("share")
+    shares.set_ylim(-0.02, 1.02)
+    for stage, key, color in (
+        ("orchestrator", "advantage/zero_group_fraction", "tab:gray"),
+        ("rl", "capped_fraction", "tab:olive"),
+        ("rl", "clip_low_fraction", "tab:cyan"),
+        ("rl", "clip_high_fraction", "tab:pink"),
+        ("rl", "masked_fraction", "tab:olive"),
+    ):
+        xs, ys = _series(metrics.get(stage, []), key)
+        if xs:
+            handles += shares.plot(xs, ys, color=color, linewidth=1, alpha=0.8, label=key)
+    if xs or handles:
+        ax.legend(handles=handles, loc="upper right", fontsize=7)
+
+
+def reward_figure(
     metrics: Mapping[str, Sequence[Mapping[str, Any]]],
     stats: Mapping[str, Mapping[str, Any]],
     sft_steps: int,
     title: str,
-) -> bytes:
-    """The reward/loss figure as PNG bytes (matplotlib's Agg canvas; no global backend).
+) -> Any:
+    """The reward/loss figure (a matplotlib `Figure` on the Agg canvas; no global backend).
 
     Top left: reward over every step (SFT shaded, then RL). Top right: the RL steps alone, so
-    a small RL gain is visible next to a long SFT. Bottom: SFT loss and RL loss.
+    a small RL gain is visible next to a long SFT, with the held-out evaluations made during
+    RL. Bottom left: SFT loss and RL loss; bottom right: RL's learning health.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(12, 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplot_mosaic([["all", "rl"], ["loss", "loss"]], width_ratios=[3, 2])
+    axes = figure.subplot_mosaic([["all", "rl"], ["loss", "health"]], width_ratios=[3, 2])
     reward_ax, zoom_ax, loss_ax = axes["all"], axes["rl"], axes["loss"]
     for ax in (reward_ax, loss_ax):
         if sft_steps:
@@ -336,6 +378,8 @@ def plot_png(
                 label="RL training batches (5-step average)",
             )
     _draw_evals(reward_ax, stats, sft_steps)
+    _draw_online_evals(zoom_ax, metrics.get(ONLINE_EVAL_STAGE, []))
+    _draw_health(axes["health"], metrics)
     rl_stats = {name: entry for name, entry in stats.items() if name != "base"}
     _draw_evals(zoom_ax, rl_stats, sft_steps, shift=sft_steps, annotate=True)
     reward_ax.set_ylabel("reward")
@@ -365,8 +409,18 @@ def plot_png(
     if handles:
         loss_ax.legend(handles, labels, loc="upper center", fontsize=8)
     loss_ax.set_xlabel(f"step (SFT 1-{sft_steps} shaded, then RL)" if sft_steps else "RL step")
+    return figure
+
+
+def plot_png(
+    metrics: Mapping[str, Sequence[Mapping[str, Any]]],
+    stats: Mapping[str, Mapping[str, Any]],
+    sft_steps: int,
+    title: str,
+) -> bytes:
+    """`reward_figure` as PNG bytes."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    reward_figure(metrics, stats, sft_steps, title).savefig(buffer, format="png")
     return buffer.getvalue()
 
 
@@ -384,7 +438,8 @@ def write_run_report(
       "evals": {name: {"step", "sampled": {examples, samples, mean, stderr}, "greedy": ...}},
       "differences": {"sft-base": {"sampled": {examples, mean, stderr}, ...}, ...}}`.
     """
-    metrics = {stage: read_metrics(store, stage) for stage in ("sft", "rl", "orchestrator")}
+    stages = ("sft", "rl", "orchestrator", ONLINE_EVAL_STAGE)
+    metrics = {stage: read_metrics(store, stage) for stage in stages}
     sft_steps = max((line["step"] for line in metrics["sft"]), default=0)
     evals = latest_evals(store)
     stats: dict[str, dict[str, Any]] = {}

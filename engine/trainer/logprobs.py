@@ -49,6 +49,23 @@ def _grad_logits(logits: Tensor, targets: Tensor, inv_temp: Tensor, grad: Tensor
     return ((onehot - torch.softmax(z, dim=-1)) * (grad * inv_temp)[:, None]).to(logits.dtype)
 
 
+def _grad_logits_with_entropy(
+    logits: Tensor, targets: Tensor, inv_temp: Tensor, grad: Tensor, grad_entropy: Tensor
+) -> Tensor:
+    """d Σ (grad·log p(target) + grad_entropy·H) / d logits, [t, V] in the logits' dtype.
+
+    With H = −Σ p log p: d H / d z_k = −p_k (log p_k + H), and z = logits / τ.
+    """
+    z = logits.float() * inv_temp[:, None]
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp).sum(-1, keepdim=True)
+    vocab = torch.arange(z.shape[1], device=z.device)
+    onehot = (vocab[None, :] == targets[:, None]).float()
+    dz = (onehot - p) * grad[:, None] - p * (logp + entropy) * grad_entropy[:, None]
+    return (dz * inv_temp[:, None]).to(logits.dtype)
+
+
 # On GPU the element-wise math over [t, V] runs as fused kernels: one or two passes over the
 # bf16 logits instead of ~10 passes over fp32 copies, which is most of the LM head's cost.
 # The last chunk's length follows the step's token count: after the first two lengths torch
@@ -65,7 +82,11 @@ def _fused(name: str, fn: object, device: torch.device) -> object:
 
 
 class _TargetLogProbs(torch.autograd.Function):
-    """(hidden [T, D], weight [V, D], targets [T], inv_temp [T]) → (logprobs [T], entropy [T])."""
+    """(hidden [T, D], weight [V, D], targets [T], inv_temp [T]) → (logprobs [T], entropy [T]).
+
+    Both outputs are differentiable; backward pays for the entropy's gradient only when the loss
+    used it (an entropy bonus), since unused outputs arrive as None (no materialised zeros).
+    """
 
     @staticmethod
     def forward(
@@ -83,22 +104,28 @@ class _TargetLogProbs(torch.autograd.Function):
             )
         ctx.save_for_backward(hidden, weight, targets, inv_temp)
         ctx.chunk = chunk
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logprobs: Tensor, _grad_entropy: Tensor | None
+        ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, inv_temp = ctx.saved_tensors
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(inv_temp)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_fn = _fused("grad", _grad_logits, hidden.device)
+        if grad_entropy is None:
+            grad_fn = _fused("grad", _grad_logits, hidden.device)
+        else:
+            grad_fn = _fused("grad_entropy", _grad_logits_with_entropy, hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
             logits = hidden[start:end] @ weight.t()
+            extra = () if grad_entropy is None else (grad_entropy[start:end],)
             grad_logits = grad_fn(  # type: ignore[operator]
-                logits, targets[start:end], inv_temp[start:end], grad_logprobs[start:end]
+                logits, targets[start:end], inv_temp[start:end], grad_logprobs[start:end], *extra
             )
             grad_hidden[start:end] = grad_logits @ weight
             # Low-precision matmul (fp32 accumulate inside), chunk partial sums added in fp32.
@@ -116,7 +143,7 @@ def target_logprobs(
     """Log π(target) and the full-distribution entropy at each position, both [T] fp32.
 
     hidden [T, D] (any float dtype), weight [V, D] (the LM head), targets [T] int64,
-    temperatures [T] > 0. Only the log-probs carry gradients; entropy is a metric.
+    temperatures [T] > 0. Both carry gradients (the entropy's for an entropy bonus).
     """
     chunk = chunk_size(hidden.shape[0], weight.shape[0], chunk_elements)
     inv_temp = temperatures.float().reciprocal()

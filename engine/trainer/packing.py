@@ -28,8 +28,10 @@ class Sample:
     """One sequence as sampled: prompt + completion tokens and per-token arrays of the same length.
 
     `loss_mask[i]` says token `i` is trained on (it was sampled by the policy, or is an assistant
-    token in SFT); `logprobs[i]` is its inference log-probability (0 where unknown). `advantage`
-    and `temperature` are per sample; they become per-token arrays when packed.
+    token in SFT); `logprobs[i]` is its inference log-probability (0 where unknown). `advantage`,
+    `temperature` and `weight` (what each of its tokens weighs in the loss: 1, or a sequence
+    normalisation's share, `engine.trainer.loss.sequence_weights`) are per sample; they become
+    per-token arrays when packed.
     """
 
     token_ids: np.ndarray  # [n] int64
@@ -37,6 +39,7 @@ class Sample:
     logprobs: np.ndarray  # [n] float32
     advantage: float = 1.0
     temperature: float = 1.0
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -67,6 +70,7 @@ class PackedRows:
     inference_logprobs: np.ndarray  # [R, S] float32
     advantages: np.ndarray  # [R, S] float32
     temperatures: np.ndarray  # [R, S] float32 (1.0 on padding)
+    loss_weights: np.ndarray  # [R, S] float32, each token's weight in the loss (1.0 on padding)
     doc_lens: list[list[int]] = field(default_factory=list)
     sample_index: list[list[int]] = field(default_factory=list)
 
@@ -94,6 +98,7 @@ class PackedRows:
             inference_logprobs=self.inference_logprobs[index],
             advantages=self.advantages[index],
             temperatures=self.temperatures[index],
+            loss_weights=self.loss_weights[index],
             doc_lens=[self.doc_lens[i] for i in rows],
             sample_index=[self.sample_index[i] for i in rows],
         )
@@ -109,6 +114,7 @@ def truncate(sample: Sample, max_len: int) -> Sample:
         logprobs=sample.logprobs[:max_len],
         advantage=sample.advantage,
         temperature=sample.temperature,
+        weight=sample.weight,
     )
 
 
@@ -150,6 +156,7 @@ def empty_rows(num_rows: int, seq_len: int) -> PackedRows:
         inference_logprobs=np.zeros(shape, np.float32),
         advantages=np.zeros(shape, np.float32),
         temperatures=np.ones(shape, np.float32),
+        loss_weights=np.ones(shape, np.float32),
         doc_lens=[[seq_len] for _ in range(num_rows)],
         sample_index=[[] for _ in range(num_rows)],
     )
@@ -175,6 +182,7 @@ def pack_samples(samples: Sequence[Sample], seq_len: int) -> PackedRows:
             rows.inference_logprobs[r, start : end - 1] = sample.logprobs[1:]
             rows.advantages[r, start:end] = sample.advantage
             rows.temperatures[r, start:end] = sample.temperature
+            rows.loss_weights[r, start:end] = sample.weight
             lens.append(n)
             start = end
         if start < seq_len:

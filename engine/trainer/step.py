@@ -63,10 +63,12 @@ def forward_micro_batch(
         inference_logprobs=_tensor(rows.inference_logprobs, device).reshape(-1),
         advantages=_tensor(rows.advantages, device).reshape(-1),
         loss_mask=loss_mask,
+        entropy=entropy,
     )
     outputs = loss_fn(inputs)
-    loss_sum, metric_sums = masked_sums(outputs, loss_mask)
-    metric_sums["entropy"] = (entropy * loss_mask).sum()
+    weights = _tensor(rows.loss_weights, device).reshape(-1)
+    loss_sum, metric_sums = masked_sums(outputs, loss_mask, weights)
+    metric_sums["entropy"] = (entropy.detach() * loss_mask).sum()
     return loss_sum, metric_sums
 
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,13 @@ from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_ba
 from engine.trainer.checkpoint import CheckpointWriter, load_adapter, load_checkpoint
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.lora import fresh_adapter, published
-from engine.trainer.loss import LossFn, build_loss, sft_loss
+from engine.trainer.loss import (
+    LossFn,
+    build_loss,
+    loss_normalization,
+    sequence_weights,
+    sft_loss,
+)
 from engine.trainer.metrics import flops_per_token, measure_bf16_peak
 from engine.trainer.model import (
     ModelOptions,
@@ -390,6 +396,9 @@ def train_rl_step(
         seq_len=trainer.seq_len,
         allow_truncation=trainer_config.truncate,
     )
+    if loss_normalization(trainer_config.loss) == "sequence":
+        weights = sequence_weights([int(s.loss_mask[1:].sum()) for s in samples])
+        samples = [replace(s, weight=w) for s, w in zip(samples, weights, strict=True)]
     metrics = trainer.step(samples, loss_fn, trainer_config.optim)
     metrics.update(publisher.publish(step))
     versions = table.column("policy_version").to_pylist()

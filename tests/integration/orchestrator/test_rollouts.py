@@ -22,6 +22,7 @@ from engine.config.orchestrator import EnvConfig
 from engine.envs import load_environment
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
+from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.run import run_store
 from storage.checkpoints import write_checkpoint
 from storage.commit import wait_for_step
@@ -240,3 +241,60 @@ def test_a_restarted_run_continues_after_its_last_committed_step(
     # The task order went on where it stopped: step 2 drew new examples, not step 1's again.
     assert not {row["example_id"] for row in step_one} & {row["example_id"] for row in step_two}
     assert [line["step"] for line in read_metrics(run_store(first), "orchestrator")] == [1, 2]
+
+
+class CountingReloads(HeldReloads):
+    """The shared pool; each reload records whether a held-out evaluation was running then."""
+
+    def __init__(self, pool: InferencePool, store_root: Any) -> None:
+        super().__init__(pool)
+        self.release.set()
+        self.store = store_root
+        self.evaluations_seen: list[int] = []
+
+    def reload(self, checkpoint: str, version: int | None = None) -> int:
+        steps = [line["step"] for line in read_metrics(self.store, ONLINE_EVAL_STAGE)]
+        self.evaluations_seen.append(len(steps))
+        return super().reload(checkpoint, version)
+
+
+def test_online_evaluations_take_every_interval_s_policy_on_held_out_tasks(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
+) -> None:
+    """eval.interval = 1: versions 0, 1 and 2 are each evaluated (greedy and sampled) on the
+    held-out split, every answer stamped with the version the line names, and the pool loads
+    version n + 1 only after version n's evaluation is written."""
+    config = make_config(
+        max_steps=3,
+        orchestrator={"max_async_level": 0},
+        eval={
+            "num_examples": 50,
+            "interval": 1,
+            "interval_examples": 4,
+            "rollouts_per_example": 2,
+            "sampling": {"max_tokens": 16},
+        },
+    )
+    store = run_store(config)
+    publishers = [
+        threading.Thread(target=_publish_after_rollouts, args=(config, tiny_model, step))
+        for step in (1, 2)
+    ]
+    for thread in publishers:
+        thread.start()
+    counting = CountingReloads(pool, store)
+    assert run_orchestrator(config, counting) == 0  # type: ignore[arg-type]
+    for thread in publishers:
+        thread.join()
+
+    lines = read_metrics(store, ONLINE_EVAL_STAGE)
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    for line in lines:
+        assert line["eval/reverse-text/samples"] == 8 and line["eval/reverse-text/examples"] == 4
+        assert line["eval/reverse-text/greedy/samples"] == 4
+        assert 0.0 <= line["eval/greedy/avg@1"] <= 1.0 and 0.0 <= line["eval/avg@2"] <= 1.0
+    # Reload to version 1 came after version 0's line, reload to 2 after version 1's.
+    assert counting.evaluations_seen == [1, 2]
+    for line in read_metrics(store, "orchestrator"):
+        assert 0.0 <= line["advantage/zero_group_fraction"] <= 1.0
+        assert 0.0 <= line["advantage/nonzero_token_fraction"] <= 1.0

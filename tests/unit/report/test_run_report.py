@@ -8,8 +8,9 @@ import uuid
 
 import pytest
 
+from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.report import write_run_report
-from engine.report.run_report import completion_of, prompt_of
+from engine.report.run_report import completion_of, prompt_of, reward_figure
 from storage.evals import write_eval
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
@@ -99,6 +100,31 @@ def test_sample_tables_show_each_policy_on_the_same_prompts(store: ObjectStore) 
     markdown = store.read_bytes("report/samples.md").decode()
     assert "| rl | 5 | sampled | 3 | 6 |" in markdown
     assert "`rl answer 1`" in markdown and "`text 1`" in markdown
+
+
+def test_the_plot_draws_online_evaluations_and_learning_health() -> None:
+    rl = [
+        {"step": s, "loss": 0.1, "entropy": 0.5 - 0.05 * s, "capped_fraction": 0.01}
+        for s in (1, 2, 3)
+    ]
+    orchestrator = [
+        {"step": s, "reward/mean": 0.5, "advantage/zero_group_fraction": 0.25} for s in (1, 2, 3)
+    ]
+    online = [
+        {"step": s, "eval/greedy/avg@1": 0.5 + 0.1 * s, "eval/avg@2": 0.4 + 0.1 * s} for s in (0, 2)
+    ]
+    metrics = {"rl": rl, "orchestrator": orchestrator, ONLINE_EVAL_STAGE: online}
+    figure = reward_figure(metrics, {}, 0, "run")
+    curves = {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for ax in figure.axes
+        for line in ax.get_lines()
+    }
+    assert curves["held-out greedy during RL"] == ([0, 2], [0.5, 0.7])
+    assert curves["held-out sampled during RL"][1] == pytest.approx([0.4, 0.6])
+    assert curves["entropy (nats/token)"][1] == pytest.approx([0.45, 0.4, 0.35])
+    assert curves["advantage/zero_group_fraction"] == ([1, 2, 3], [0.25] * 3)
+    assert curves["capped_fraction"][1] == [0.01] * 3
 
 
 def test_a_run_without_evaluations_still_gets_a_plot() -> None:

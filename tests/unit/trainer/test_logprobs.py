@@ -37,4 +37,25 @@ def test_values_and_gradients_match_full_logits_across_chunks() -> None:
     torch.testing.assert_close(entropy.double(), ref_entropy.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads[1], weight.grad, atol=1e-5, rtol=1e-5)
-    assert not entropy.requires_grad
+
+
+def test_the_entropy_gradient_matches_full_logits() -> None:
+    """An entropy bonus back-propagates through the chunked entropy as through plain logits."""
+    torch.manual_seed(1)
+    t, d, v = 23, 8, 40
+    hidden = torch.randn(t, d, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (t,))
+    temperatures = torch.rand(t, dtype=torch.float64) + 0.5
+    up_logp, up_entropy = torch.randn(t, dtype=torch.float64), torch.randn(t, dtype=torch.float64)
+
+    for use_logp in (True, False):  # with the log-probs' gradient, and the entropy's alone
+        logp, entropy = target_logprobs(hidden, weight, targets, temperatures, chunk_elements=120)
+        ((logp * up_logp).sum() * use_logp + (entropy * up_entropy).sum()).backward()
+        grads = hidden.grad.clone(), weight.grad.clone()
+        hidden.grad = weight.grad = None
+        ref_logp, ref_entropy = reference(hidden, weight, targets, temperatures)
+        ((ref_logp * up_logp).sum() * use_logp + (ref_entropy * up_entropy).sum()).backward()
+        torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grads[1], weight.grad, atol=1e-5, rtol=1e-5)
+        hidden.grad = weight.grad = None

@@ -8,15 +8,18 @@ import pytest
 import torch
 
 from engine.config.plugin import CustomPluginConfig
-from engine.config.trainer import AipoLossConfig, MaskedRatioLossConfig
+from engine.config.trainer import AipoLossConfig, MaskedRatioLossConfig, PpoClipLossConfig
 from engine.trainer.loss import (
     LossInputs,
     LossOutputs,
     aipo_loss,
     build_loss,
+    loss_normalization,
     masked_ratio_loss,
     masked_sums,
     normalise,
+    ppo_clip_loss,
+    sequence_weights,
 )
 
 
@@ -106,3 +109,48 @@ def test_custom_loss_import_errors_name_the_path() -> None:
 def test_builtin_configs_build() -> None:
     assert build_loss(AipoLossConfig()).keywords == {"ratio_cap": 8.0}
     assert build_loss(MaskedRatioLossConfig()).keywords["kl_coef"] == 1e-3
+    assert build_loss(PpoClipLossConfig()).keywords == {"clip_low": 0.2, "clip_high": 0.28}
+    assert loss_normalization(AipoLossConfig(normalization="sequence")) == "sequence"
+    assert loss_normalization(CustomPluginConfig(import_path="a.b:c")) == "token"
+
+
+def test_ppo_clip_zeroes_the_gradient_only_past_the_clip_in_the_advantage_direction() -> None:
+    # r = 0.5 with A < 0 and r = 1.5 with A > 0 are clipped; r = 1.5 with A < 0 and r = 0.5
+    # with A > 0 still learn (the pessimistic branch is the unclipped one).
+    ratios, advantages = [0.5, 1.5, 1.5, 0.5, 1.1], [-1.0, 2.0, -1.0, 1.0, 1.0]
+    x = inputs(ratios, advantages, [True] * 5)
+    out = ppo_clip_loss(x, clip_low=0.2, clip_high=0.28)
+    loss, metrics = masked_sums(out, x.loss_mask)
+    loss.backward()
+    # d(-r·A)/d logπ = -r·A where unclipped; 0 where the clip holds.
+    expected = torch.tensor([0.0, 0.0, 1.5, -0.5, -1.1])
+    torch.testing.assert_close(x.logprobs.grad, expected)
+    assert metrics["clip_low_fraction"].item() == 1.0
+    assert metrics["clip_high_fraction"].item() == 1.0
+    clipped_values = -(0.8 * -1.0) - 1.28 * 2.0 + 1.5 * 1.0 - 0.5 * 1.0 - 1.1 * 1.0
+    assert loss.item() == pytest.approx(clipped_values, rel=1e-5)
+
+
+def test_entropy_bonus_subtracts_coef_times_entropy_from_every_token() -> None:
+    x = inputs([1.0, 1.0], [1.0, -1.0], [True, True])
+    entropy = torch.tensor([0.3, 1.2], requires_grad=True)
+    x = LossInputs(x.logprobs, x.inference_logprobs, x.advantages, x.loss_mask, entropy)
+    plain = build_loss(AipoLossConfig())(x).token_loss
+    bonus = build_loss(AipoLossConfig(entropy_coef=0.1))(x)
+    torch.testing.assert_close(bonus.token_loss, plain - 0.1 * entropy)
+    bonus.token_loss.sum().backward()
+    torch.testing.assert_close(entropy.grad, torch.tensor([-0.1, -0.1]))
+    with pytest.raises(ValueError, match=r"needs LossInputs\.entropy"):
+        build_loss(AipoLossConfig(entropy_coef=0.1))(inputs([1.0], [1.0], [True]))
+
+
+def test_sequence_weights_average_each_sample_then_the_samples() -> None:
+    lengths = [2, 6, 4]
+    weights = sequence_weights(lengths)
+    # Each sample's tokens sum to L/N, the step's to L (what `normalise` divides by).
+    assert [w * n for w, n in zip(weights, lengths, strict=True)] == pytest.approx([4.0] * 3)
+    token_losses = [torch.full((n,), float(i + 1)) for i, n in enumerate(lengths)]
+    weighted = sum((w * t).sum() for w, t in zip(weights, token_losses, strict=True))
+    per_sample_mean = sum(t.mean() for t in token_losses) / len(lengths)
+    assert (weighted / sum(lengths)).item() == pytest.approx(per_sample_mean.item())
+    assert sequence_weights([0, 3]) == [0.0, 0.5]

@@ -11,7 +11,9 @@ from engine.trainer.batching import balance_rows, micro_batches, rank_share, row
 from engine.trainer.packing import Sample, assign_rows, pack_samples, truncate
 
 
-def make_sample(n: int, seed: int, advantage: float = 1.0, temperature: float = 1.0) -> Sample:
+def make_sample(
+    n: int, seed: int, advantage: float = 1.0, temperature: float = 1.0, weight: float = 1.0
+) -> Sample:
     rng = np.random.default_rng(seed)
     return Sample(
         token_ids=rng.integers(1, 50, n),
@@ -19,6 +21,7 @@ def make_sample(n: int, seed: int, advantage: float = 1.0, temperature: float = 
         logprobs=-rng.random(n).astype(np.float32),
         advantage=advantage,
         temperature=temperature,
+        weight=weight,
     )
 
 
@@ -29,7 +32,8 @@ lengths_strategy = st.lists(st.integers(1, 32), min_size=1, max_size=40)
 @given(lengths=lengths_strategy, seq_len=st.integers(32, 80))
 def test_every_sample_lands_once_and_rows_fit(lengths: list[int], seq_len: int) -> None:
     samples = [
-        make_sample(n, i, advantage=float(i), temperature=0.5 + i) for i, n in enumerate(lengths)
+        make_sample(n, i, advantage=float(i), temperature=0.5 + i, weight=1.0 / n)
+        for i, n in enumerate(lengths)
     ]
     rows = pack_samples(samples, seq_len)
     placed = sorted(i for members in rows.sample_index for i in members)
@@ -57,6 +61,7 @@ def test_every_sample_lands_once_and_rows_fit(lengths: list[int], seq_len: int) 
             assert not rows.loss_mask[r, start + n - 1], "a sample's last token predicts nothing"
             assert (rows.advantages[r, span] == sample.advantage).all()
             assert (rows.temperatures[r, span] == sample.temperature).all()
+            assert (rows.loss_weights[r, span] == np.float32(sample.weight)).all()
             start += n
         # Padding: its own document, no loss, positions restart.
         assert not rows.loss_mask[r, start:].any()
