@@ -40,10 +40,15 @@ from typing import Any
 
 from engine.config import PrimeflowConfig, load_config, with_overrides
 from engine.inference.pool import InferencePool
+from engine.orchestrator.main import evaluate_policy
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
-from engine.run import local_run_dir, run_store
+from engine.run import open_run, run_store
+from engine.stages import run_rl
+from storage.commit import latest_committed_step
+from storage.evals import committed_summary
+from storage.layout import RunLayout
 from storage.metrics import read_metrics
-from tests.bench.e2e.bench_async import run_rl, save, train_sft
+from tests.bench.e2e.bench_async import save, train_sft
 from tests.bench.e2e.bench_tenants import mps_daemon
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -52,7 +57,8 @@ DEMO = ROOT / "configs/reverse_text/pipeline.toml"
 COLLECT_S = 30.0
 #: Seconds between two arm starts (their servers load at once otherwise).
 STAGGER_S = 5.0
-SFT_NAME = "sft"
+#: The evaluation of each arm's last policy (`eval/rl-final/`).
+FINAL = "rl-final"
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -86,16 +92,19 @@ def arm_config(shared: Sequence[str], name: str, flags: Sequence[str], sft: str)
 
 
 def run_arm(config: PrimeflowConfig) -> None:
-    """One arm in this process: its vLLM server, then the RL stage from the SFT checkpoint."""
+    """One arm in this process: its vLLM server, then the RL stage from the SFT checkpoint, as
+    the `rl` flow runs it (`engine.stages.run_rl`: a trainer that dies fails the arm at once)."""
     sft = config.trainer.init_checkpoint
     assert sft is not None
-    pool = InferencePool(config.inference, log_dir=local_run_dir(config) / "logs")
-    pool.start()
-    try:
+    run = open_run(config, command=["bench_learning", config.run.name])
+    with InferencePool.for_run(config, run.logs) as pool:
         pool.reload(sft, version=0)
-        run_rl(config, pool, "trainer")
-    finally:
-        pool.stop()
+        result = run_rl(config, run, pool)
+        assert result.checkpoint_step is not None
+        # The last version is published after the last batch: the orchestrator never serves it.
+        evaluate_policy(
+            config, run.store, pool, name=FINAL, stage="rl", step=result.checkpoint_step
+        )
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -121,6 +130,18 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
         }
         for line in evals
     ]
+    final = latest_committed_step(store, RunLayout.eval_parent(FINAL))
+    done = committed_summary(store, FINAL, final) if final is not None else None
+    if done is not None:
+        summary = done[1]
+        curve.append(
+            {
+                "step": final,
+                "time": read_metrics(store, f"eval-{FINAL}")[-1]["time"],
+                "greedy": summary.get("greedy/avg@1"),
+                "sampled": summary.get(f"avg@{summary['k']}"),
+            }
+        )
     greedy = [point["greedy"] for point in curve if point["greedy"] is not None]
     sampled = [point["sampled"] for point in curve if point["sampled"] is not None]
     rewards = _series(orch, "reward/mean")
