@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, model_validator
 
 from engine.config.base import BaseConfig
 from engine.config.trainer import LORA_TARGETS
 from engine.placement import parse_cores
 
 #: The adapter ranks vLLM can serve (its `--max-lora-rank` choices).
-LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
-LORA_RANKS: tuple[int, ...] = get_args(LoraRank)
+_LoraRanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+LORA_RANKS: tuple[int, ...] = get_args(_LoraRanks)
+
+
+def _integer_text(value: object) -> object:
+    """'16' → 16: a command-line flag arrives as text, which a Literal of ints never equals."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+LoraRank = Annotated[_LoraRanks, BeforeValidator(_integer_text)]
 #: GPU adapter slots one lineage of adapters needs (a run's own, or each tenant's): the version
 #: served, the one before (requests that named it just before the last swap still run) and the
 #: one being added. vLLM activates an adapter as it adds it and, with every slot taken, evicts

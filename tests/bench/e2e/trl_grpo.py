@@ -46,12 +46,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear, then constant")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--target", type=float, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--use-vllm", action="store_true", help="TRL's colocated vLLM (CUDA)")
+    parser.add_argument("--save-every", type=int, default=0, help="save the policy every N steps")
+    parser.add_argument("--save-dir", default=None, help="where: SAVE_DIR/step_000025/, ...")
     args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
 
     import torch
     from datasets import Dataset
@@ -69,8 +75,8 @@ def main(argv: list[str]) -> int:
         output_dir=args.output_dir,
         max_steps=args.steps,
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
         adam_beta1=0.9,
@@ -86,10 +92,12 @@ def main(argv: list[str]) -> int:
         beta=0.0,  # no KL term, as primeflow's AIPO loss
         scale_rewards="none",  # reward minus the group mean, as primeflow's default
         loss_type="dapo",  # token-level mean over the batch, as primeflow
-        use_vllm=False,  # no CUDA vLLM on a CPU machine: TRL generates with transformers
-        bf16=False,
+        # Without --use-vllm TRL generates with transformers (on a CPU machine it must).
+        use_vllm=args.use_vllm,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.2} if args.use_vllm else {}),
+        bf16=cuda,
         fp16=False,
-        use_cpu=True,
+        use_cpu=not cuda,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -107,6 +115,17 @@ def main(argv: list[str]) -> int:
                 line["reward"] = float(logs["reward"])
                 history.append(line)
                 print(json.dumps(line), flush=True)
+
+        def on_step_end(self, _args, state, control, model=None, **kwargs):
+            """Save the policy every --save-every steps, its save time left off the clock."""
+            nonlocal start
+            if args.save_every and state.global_step % args.save_every == 0 and model is not None:
+                began = time.time()
+                folder = f"{args.save_dir}/step_{state.global_step:06d}"
+                model.save_pretrained(folder, safe_serialization=True)
+                tokenizer.save_pretrained(folder)
+                start += time.time() - began
+                print(json.dumps({"saved": state.global_step, "folder": folder}), flush=True)
 
     trainer = GRPOTrainer(
         model=model,

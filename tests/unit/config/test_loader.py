@@ -81,6 +81,16 @@ def test_bool_flags_lists_and_json_dicts() -> None:
     assert load_config(["--no-trainer.compile"]).trainer.compile is False
 
 
+def test_a_lora_rank_flag_is_the_number_a_toml_file_gives() -> None:
+    """The command line passes text; the servable ranks are a Literal of ints (issue 34)."""
+    flags = ["--trainer.lora.rank", "16", "--inference.lora.max-rank", "16"]
+    assert load_config(flags).inference.lora.max_rank == 16
+    with pytest.raises(ConfigError, match=r"inference\.lora\.max_rank: Input should be 1, 8"):
+        load_config(["--trainer.lora.rank", "8", "--inference.lora.max-rank", "17"])
+    with pytest.raises(ConfigError, match=r"inference\.lora\.max_rank"):
+        load_config(["--trainer.lora.rank", "8", "--inference.lora.max-rank", "sixteen"])
+
+
 def test_null_unsets_a_field_that_may_be_none_and_is_text_elsewhere(tmp_path: Path) -> None:
     config = load_config(["--sft.data.path", "null", "--run.name", "null"])
     assert config.sft.data.path is None
