@@ -14,13 +14,19 @@ def reference(hidden, weight, targets, temperatures):
     return logp.gather(1, targets[:, None]).squeeze(1), entropy
 
 
-def test_values_and_gradients_match_full_logits_across_chunks() -> None:
-    torch.manual_seed(0)
-    t, d, v = 37, 8, 50
+def random_inputs(seed: int, t: int, d: int, v: int) -> tuple[torch.Tensor, ...]:
+    """hidden [t, d] and head weight [v, d] (both with grad), targets [t], temperatures [t]."""
+    torch.manual_seed(seed)
     hidden = torch.randn(t, d, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, v, (t,))
     temperatures = torch.rand(t, dtype=torch.float64) + 0.5
+    return hidden, weight, targets, temperatures
+
+
+def test_values_and_gradients_match_full_logits_across_chunks() -> None:
+    t, v = 37, 50
+    hidden, weight, targets, temperatures = random_inputs(0, t, 8, v)
     upstream = torch.randn(t, dtype=torch.float64)
 
     # 200 elements per chunk → 4 tokens per chunk → 10 chunks, the last one partial.
@@ -41,12 +47,8 @@ def test_values_and_gradients_match_full_logits_across_chunks() -> None:
 
 def test_the_entropy_gradient_matches_full_logits() -> None:
     """An entropy bonus back-propagates through the chunked entropy as through plain logits."""
-    torch.manual_seed(1)
-    t, d, v = 23, 8, 40
-    hidden = torch.randn(t, d, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, v, (t,))
-    temperatures = torch.rand(t, dtype=torch.float64) + 0.5
+    t = 23
+    hidden, weight, targets, temperatures = random_inputs(1, t, 8, 40)
     up_logp, up_entropy = torch.randn(t, dtype=torch.float64), torch.randn(t, dtype=torch.float64)
 
     for use_logp in (True, False):  # with the log-probs' gradient, and the entropy's alone
