@@ -15,8 +15,10 @@ import base64
 import contextvars
 import json
 import logging
+import math
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from types import TracebackType
 from typing import Any
 from uuid import UUID
 
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_image_artifact,
     create_markdown_artifact,
@@ -32,6 +35,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.events import emit_event
+from prefect.exceptions import MissingContextError
 from tqdm import tqdm
 
 from engine.config import PrimeflowConfig
@@ -46,7 +50,7 @@ from storage.store import ObjectStore
 
 CHECKPOINT_EVENT = "primeflow.checkpoint.committed"
 #: Metrics shown beside a stage's progress bar, when the stage reports them.
-BAR_METRICS = ("loss", "reward/mean", "eval_loss")
+BAR_METRICS = ("loss", "reward/mean", "eval_loss", "eval/greedy/avg@1")
 #: The metrics table's first and last columns; the others sit between them by name.
 TABLE_FIRST = (
     "step", "reward/mean", "eval/greedy/avg@1", "entropy", "advantage/zero_group_fraction",
@@ -54,6 +58,14 @@ TABLE_FIRST = (
 )  # fmt: skip
 TABLE_LAST = ("stage", "time")
 log = logging.getLogger(__name__)
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter[Any]:
+    """The flow or task run's logger (its lines reach the UI), else this module's."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
 
 
 def artifact_key(*parts: str) -> str:
@@ -126,6 +138,9 @@ class StageMonitor:
     interval_s: float = 2.0
     table_every: int = 10
     table_rows: int = 20
+    #: Off a terminal (output to a file, a worker's log) the bar is silent: a progress line
+    #: goes to the run's log at most this often instead, and at the last step.
+    line_every_s: float = 60.0
     on_step: Callable[[Mapping[str, Any]], None] | None = None
     lines: dict[int, dict[str, Any]] = field(default_factory=dict, init=False)
     others: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict, init=False)
@@ -135,6 +150,7 @@ class StageMonitor:
     _thread: threading.Thread | None = field(default=None, init=False)
     _bar: tqdm | None = field(default=None, init=False)
     _announced: set[int] = field(default_factory=set, init=False)
+    _line_at: float = field(default=-math.inf, init=False)
 
     def __enter__(self) -> StageMonitor:
         key = artifact_key(self.run_name, self.stage, "progress")
@@ -188,6 +204,8 @@ class StageMonitor:
             latest = self.row(self.last_step)
             shown = {k: latest[k] for k in BAR_METRICS if isinstance(latest.get(k), int | float)}
             self._bar.set_postfix(shown, refresh=False)
+            if self._bar.disable:
+                self._progress_line(shown)
         if new_lines and self._artifact is not None:
             progress = min(100.0, 100.0 * self.last_step / max(self.total_steps, 1))
             update_progress_artifact(self._artifact, progress=progress)
@@ -196,6 +214,15 @@ class StageMonitor:
         announce_checkpoints(
             self.store, self.run_name, self.stage, self.checkpoint_parent, self._announced
         )
+
+    def _progress_line(self, shown: Mapping[str, float]) -> None:
+        """One line of progress for a log, at most every `line_every_s` and at the end."""
+        done = self.last_step >= self.total_steps
+        if not done and time.monotonic() - self._line_at < self.line_every_s:
+            return
+        self._line_at = time.monotonic()
+        numbers = "".join(f", {key} {value:.4g}" for key, value in shown.items())
+        run_logger().info("%s: step %d/%d%s", self.stage, self.last_step, self.total_steps, numbers)
 
     def _read_new_lines(self) -> list[dict[str, Any]]:
         """New lines of `stage`; new lines of the `also` stages are read and kept on the side."""

@@ -7,7 +7,8 @@ given advantages and admitted to the step being built by `BatchBuilder`, which e
 async bound and the filters. New rollouts start only while the policy the pool serves may go
 into that step; otherwise the loop waits for the trainer's next policy version, which it asks
 the pool to load as soon as it is committed. With `eval.interval` set, the policy served is also
-evaluated on held-out tasks every so many versions (`engine.orchestrator.online_eval`).
+evaluated on held-out tasks every so many versions (`engine.orchestrator.online_eval`; a failed
+evaluation is a warning).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class Orchestrator:
             if self._reload is not None:
                 await self._reload  # a policy that failed verification fails the run
             if self._evaluation is not None:
-                await self._evaluation
+                await asyncio.wait({self._evaluation})
+                self._end_evaluation()
         finally:
             await self._cancel_inflight()
         return self.metrics
@@ -290,8 +292,7 @@ class Orchestrator:
         if self._evaluation is not None:
             if not self._evaluation.done():
                 return
-            evaluated, self._evaluation = self._evaluation, None
-            evaluated.result()  # an evaluation that failed fails the run
+            self._end_evaluation()
         if self._reload is not None:
             if not self._reload.done():
                 return
@@ -307,6 +308,14 @@ class Orchestrator:
         if latest is None or latest == self.server.policy_version:
             return
         self._reload = asyncio.create_task(self._load_policy(latest))
+
+    def _end_evaluation(self) -> None:
+        """Forget the finished evaluation; a failure is a warning, as any reporting's is (a
+        dead pool fails the rollouts anyway)."""
+        assert self._evaluation is not None
+        evaluated, self._evaluation = self._evaluation, None
+        if (failure := evaluated.exception()) is not None:
+            logger.warning("online evaluation failed: %s: %s", type(failure).__name__, failure)
 
     def _start_evaluation(self) -> bool:
         """Start evaluating the served policy when it is due; whether one started."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -75,6 +76,43 @@ def test_monitor_reports_progress_table_and_checkpoint_events(
     # Steps 2 and 4 were deleted before any poll could see them; their events still went out.
     assert event_steps(run, "rl", [2, 4, 6]) == [2, 4, 6]
     assert committed_steps(store, RunLayout.CHECKPOINTS) == [6]
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_off_a_terminal_progress_goes_to_the_run_log_as_lines(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """Output to a file shows no bar; the flow run's log gets a progress line instead (at most
+    every `line_every_s`, and at the last step)."""
+    store = ObjectStore(f"file://{tmp_path}/runs/lines")
+    handler = Lines()
+    logging.getLogger("prefect.flow_runs").addHandler(handler)
+
+    @flow(name="monitor-lines")
+    def stage() -> None:
+        with StageMonitor(store, "lines", "rl", total_steps=3, interval_s=0.1, line_every_s=3600):
+            for step in (1, 2, 3):
+                write_metrics(store, "rl", step, {"loss": 0.5, "reward/mean": 0.25})
+                time.sleep(0.3)
+
+    try:
+        stage()
+    finally:
+        logging.getLogger("prefect.flow_runs").removeHandler(handler)
+    progress = [line for line in handler.lines if line.startswith("rl: step")]
+    # The first line, then none for an hour but the last step's (pytest's output is no TTY).
+    assert progress == [
+        "rl: step 1/3, loss 0.5, reward/mean 0.25",
+        "rl: step 3/3, loss 0.5, reward/mean 0.25",
+    ]
 
 
 def test_a_checkpoint_committed_while_nobody_watched_is_announced_once_when_watched_again(
