@@ -201,8 +201,7 @@ class StageMonitor:
         new_lines = self._read_new_lines()
         if new_lines and self._bar is not None:
             self._bar.update(self.last_step - self._bar.n)
-            latest = self.row(self.last_step)
-            shown = {k: latest[k] for k in BAR_METRICS if isinstance(latest.get(k), int | float)}
+            shown = self.latest_numbers(BAR_METRICS)
             self._bar.set_postfix(shown, refresh=False)
             if self._bar.disable:
                 self._progress_line(shown)
@@ -244,6 +243,20 @@ class StageMonitor:
             if self.on_step is not None:
                 self.on_step(line)
         return new
+
+    def latest_numbers(self, keys: tuple[str, ...]) -> dict[str, float]:
+        """Each of `keys` from the newest step that has it: evaluations (`eval_loss`, the
+        held-out reward during RL) come every few steps, and should not blink out between."""
+        found: dict[str, float] = {}
+        steps = sorted({*self.lines, *(s for lines in self.others.values() for s in lines)})
+        for step in reversed(steps):
+            row = self.row(step)
+            for key in keys:
+                if key not in found and isinstance(row.get(key), int | float):
+                    found[key] = row[key]
+            if len(found) == len(keys):
+                break
+        return {key: found[key] for key in keys if key in found}
 
     def row(self, step: int) -> dict[str, Any]:
         """Step `step`'s numbers from every watched stage, in one flat row."""

@@ -31,6 +31,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from transformers import AutoModelForCausalLM
 
 from engine.config import PrimeflowConfig, load_config
+from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.commit import committed_steps, verify_step
 from storage.layout import RunLayout
@@ -191,6 +192,18 @@ def test_rl_raises_the_reward_on_the_training_batches(run: FinishedRun) -> None:
     rewards = [line["reward/mean"] for line in lines]
     assert len(rewards) == run.config.max_steps
     assert fitted_rise(rewards) >= MIN_REWARD_RISE, f"training reward per step: {rewards}"
+
+
+def test_held_out_reward_is_measured_during_rl_and_shown_in_the_ui(run: FinishedRun) -> None:
+    """eval.interval = 10 over 30 steps: versions 0, 10 and 20 are evaluated (the orchestrator
+    never serves the last version; the pipeline's own `rl` evaluation takes it), greedy and
+    sampled, and the greedy number reaches the UI's metrics table."""
+    lines = read_metrics(run.store, ONLINE_EVAL_STAGE)
+    assert [line["step"] for line in lines] == [0, 10, 20]
+    for line in lines:
+        assert 0.0 <= line["eval/greedy/avg@1"] <= 1.0 and 0.0 <= line["eval/avg@2"] <= 1.0
+        assert line["eval/reverse-text/samples"] == 2 * run.config.eval.interval_examples
+    assert "eval/greedy/avg@1" in run.prefect_records  # the metrics table artifact
 
 
 def fitted_rise(values: list[float]) -> float:

@@ -98,7 +98,12 @@ def test_off_a_terminal_progress_goes_to_the_run_log_as_lines(
 
     @flow(name="monitor-lines")
     def stage() -> None:
-        with StageMonitor(store, "lines", "rl", total_steps=3, interval_s=0.1, line_every_s=3600):
+        monitor = StageMonitor(
+            store, "lines", "rl", total_steps=3, also=("eval-online",), interval_s=0.1,
+            line_every_s=3600,
+        )  # fmt: skip
+        with monitor:
+            write_metrics(store, "eval-online", 1, {"eval/greedy/avg@1": 0.75})
             for step in (1, 2, 3):
                 write_metrics(store, "rl", step, {"loss": 0.5, "reward/mean": 0.25})
                 time.sleep(0.3)
@@ -108,11 +113,10 @@ def test_off_a_terminal_progress_goes_to_the_run_log_as_lines(
     finally:
         logging.getLogger("prefect.flow_runs").removeHandler(handler)
     progress = [line for line in handler.lines if line.startswith("rl: step")]
-    # The first line, then none for an hour but the last step's (pytest's output is no TTY).
-    assert progress == [
-        "rl: step 1/3, loss 0.5, reward/mean 0.25",
-        "rl: step 3/3, loss 0.5, reward/mean 0.25",
-    ]
+    # The first line, then none for an hour but the last step's (pytest's output is no TTY);
+    # the evaluation of step 1 is still the newest at step 3.
+    numbers = "loss 0.5, reward/mean 0.25, eval/greedy/avg@1 0.75"
+    assert progress == [f"rl: step 1/3, {numbers}", f"rl: step 3/3, {numbers}"]
 
 
 def test_a_checkpoint_committed_while_nobody_watched_is_announced_once_when_watched_again(
