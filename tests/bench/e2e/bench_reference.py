@@ -139,10 +139,16 @@ def reaching(curve: Sequence[dict[str, Any]], target: float) -> dict[str, Any] |
 
 
 def headline(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    target = theirs[-1]["greedy"]
-    mine, reference = reaching(ours, target), reaching(theirs, target)
-    found: dict[str, Any] = {"reference_final_greedy": target}
-    if mine and reference and reference["step"] and reference["time"]:
+    """When each trainer first reached the reference's final greedy reward (after step 0)."""
+    target, start = theirs[-1]["greedy"], theirs[0]["greedy"]
+    found: dict[str, Any] = {"reference_final_greedy": target, "sft_greedy": start}
+    if target <= start:
+        found["note"] = "the reference did not improve on the SFT policy: nothing to reach"
+        return found
+    mine, reference = reaching(ours[1:], target), reaching(theirs[1:], target)
+    if mine is None:
+        found["note"] = "primeflow did not reach the reference's final greedy reward"
+    if mine and reference and reference["time"]:
         found.update(
             primeflow_step=mine["step"],
             reference_step=reference["step"],
