@@ -11,18 +11,32 @@ Each environment is then loaded as the orchestrator will load it (its `load_envi
 the configured args, or its taskset), so a raising one is named here, with the exception's type,
 rather than after the servers started. It costs the verifiers import (~3 s once per process,
 which the orchestrator, in the same flow process, would pay anyway) and milliseconds per built-in.
+Then a sample of each one's prompts is rendered with the policy's chat template (system prompt
+and tools included, `engine.envs.prompt_fit`): an environment whose prompts leave no room for
+its `max_tokens` within `seq_len` is refused with the `seq_len` it needs, where it used to be
+drawn and skipped forever.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
+
+from transformers import AutoTokenizer
 
 from engine.config import PrimeflowConfig
 from engine.config.model import looks_like_path
 from engine.config.orchestrator import EnvConfig
 from engine.config.sft import DATA_SUFFIXES
+from engine.envs import ChatTokenizer, Environment, Split
 from engine.envs.loader import load_environment, module_candidates, not_found
+from engine.envs.prompt_fit import longest_prompt
+from engine.models.resolve import resolve_model
+
+#: The stages a command may run.
+STAGES = ("sft", "rl", "eval")
 
 
 def _model_problem(name: str) -> str | None:
@@ -42,27 +56,80 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _load_problem(env: EnvConfig) -> str | None:
-    """The first line of what loading `env` raised, with the exception's type; None if it loads."""
+def _load(env: EnvConfig) -> Environment | str:
+    """The loaded environment, or the first line of what loading it raised, with its type."""
     try:
-        load_environment(env)
+        return load_environment(env)
     except Exception as exc:
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return None
 
 
-def _environment_problems(config: PrimeflowConfig) -> list[str]:
-    named = [
-        *((f"orchestrator.envs[{i}]", env) for i, env in enumerate(config.orchestrator.envs)),
-        *((f"eval.envs[{i}]", env) for i, env in enumerate(config.eval.envs)),
-    ]
+def _chat_tokenizer(config: PrimeflowConfig) -> ChatTokenizer | None:
+    """The policy's tokenizer, when it loads here (else the fit of prompts is not checked)."""
+    try:
+        name = config.orchestrator.model or config.model.name
+        return ChatTokenizer(AutoTokenizer.from_pretrained(resolve_model(name)))
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One configured environment: where in the config, and how it samples."""
+
+    section: str
+    key: str
+    env: EnvConfig
+    split: Split
+    sampling: str
+    max_tokens: int
+
+
+def _uses(config: PrimeflowConfig) -> list[_Use]:
+    orchestrator, evaluation = config.orchestrator, config.eval
+    uses = []
+    for where, envs, split, default in (
+        ("orchestrator", orchestrator.envs, "train", orchestrator.sampling),
+        ("eval", evaluation.envs, "eval", evaluation.sampling),
+    ):
+        for i, env in enumerate(envs):
+            key = f"{where}.envs[{i}]"
+            sampling = f"{key}.sampling" if env.sampling else f"{where}.sampling"
+            max_tokens = (env.sampling or default).max_tokens
+            uses.append(_Use(where, key, env, split, sampling, max_tokens))  # type: ignore[arg-type]
+    return uses
+
+
+def _fit_problem(use: _Use, env: Environment, tokenizer: ChatTokenizer, seq_len: int) -> str | None:
+    """An environment whose prompts leave no room for `max_tokens` in `seq_len`."""
+    longest = longest_prompt(env, tokenizer, use.split)
+    if longest is None or longest.tokens + use.max_tokens <= seq_len:
+        return None
+    return (
+        f"{use.key}: environment {env.name!r}: its {use.split} prompts take up to "
+        f"{longest.tokens} tokens (example {longest.example_id}, chat template, system prompt "
+        f"and tools included), which leaves no room for {use.sampling}.max_tokens = "
+        f"{use.max_tokens} in "
+        f"seq_len = {seq_len}: set seq_len to at least {longest.tokens + use.max_tokens}"
+    )
+
+
+def _environment_problems(config: PrimeflowConfig, samples: set[str]) -> list[str]:
+    """Environments not installed or failing to load; those of the sections in `samples`
+    ("orchestrator", "eval") whose prompts leave no room to sample."""
     problems = []
-    for key, env in named:
-        if not any(_installed(module) for module in module_candidates(env.id)):
-            problems.append(f"{key}.id: {not_found(env.id)}")
-        elif (failure := _load_problem(env)) is not None:
-            problems.append(f"{key}: environment {env.id!r} failed to load: {failure}")
+    tokenizer = _chat_tokenizer(config) if samples else None
+    seq_len = config.orchestrator.seq_len
+    for use in _uses(config):
+        if not any(_installed(module) for module in module_candidates(use.env.id)):
+            problems.append(f"{use.key}.id: {not_found(use.env.id)}")
+            continue
+        loaded = _load(use.env)
+        if isinstance(loaded, str):
+            problems.append(f"{use.key}: environment {use.env.id!r} failed to load: {loaded}")
+        elif tokenizer is not None and seq_len is not None and use.section in samples:
+            problems += [p for p in [_fit_problem(use, loaded, tokenizer, seq_len)] if p]
     return problems
 
 
@@ -83,11 +150,18 @@ def _sft_data_problem(config: PrimeflowConfig) -> str | None:
     return None
 
 
-def preflight(config: PrimeflowConfig, *, sft: bool = True) -> list[str]:
+def preflight(config: PrimeflowConfig, stages: Collection[str] = STAGES) -> list[str]:
     """What is wrong with `config` on this machine, one line each (empty: nothing found).
-    `sft`: whether the command runs the SFT stage (its data is checked only then)."""
+    `stages`: what the command runs, of `STAGES`: SFT's data is checked only when it runs SFT
+    (and `sft.enabled`), the training environments' prompts must fit when it runs RL, the
+    evaluation environments' when it evaluates (RL does with `eval.interval`)."""
     problems = [p for p in [_model_problem(config.model.name)] if p]
-    problems += _environment_problems(config)
-    if sft:
+    samples = set()
+    if "rl" in stages:
+        samples.add("orchestrator")
+    if "eval" in stages or ("rl" in stages and config.eval.interval is not None):
+        samples.add("eval")
+    problems += _environment_problems(config, samples)
+    if "sft" in stages and config.sft.enabled:
         problems += [p for p in [_sft_data_problem(config)] if p]
     return problems

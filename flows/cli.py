@@ -10,12 +10,12 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 
 from engine.config import ConfigError, PrimeflowConfig, load_config
-from engine.preflight import preflight
+from engine.preflight import STAGES, preflight
 from flows.deploy import DeployError
 from flows.server import ServerError
 
@@ -139,7 +139,7 @@ def _pools_up(argv: list[str], dry_run: bool) -> int:
     from flows import server
 
     config = load_config(argv, prog="primeflow pools up")
-    check_machine(config, sft=False)  # a missing base model is one line, before Prefect
+    check_machine(config, ())  # a missing base model is one line, before Prefect
     if dry_run:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -184,13 +184,14 @@ def _server(argv: list[str], dry_run: bool) -> int:
     return 0
 
 
-#: Commands that run the SFT stage (its data is checked before they start).
-SFT_COMMANDS = ("pipeline", "sft")
+#: The stages each command runs (what preflight checks for it).
+COMMAND_STAGES = {"pipeline": STAGES, "sft": ("sft",), "rl": ("rl",), "eval": ("eval",)}
 
 
-def check_machine(config: PrimeflowConfig, *, sft: bool) -> None:
-    """`ConfigError` (one line) for what this machine lacks: found before any pool starts."""
-    problems = preflight(config, sft=sft and config.sft.enabled)
+def check_machine(config: PrimeflowConfig, stages: Collection[str]) -> None:
+    """`ConfigError` (one line) for what this machine lacks for `stages`: found before any pool
+    starts."""
+    problems = preflight(config, stages)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -255,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command.run_plain(rest, dry_run)
         assert command.run is not None
         config = load_config(rest, prog=f"primeflow {name}")
-        check_machine(config, sft=name in SFT_COMMANDS)
+        check_machine(config, COMMAND_STAGES.get(name, ()))
         if dry_run:
             print(json.dumps(config.model_dump(mode="json"), indent=2))
             return 0

@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from engine.config import PrimeflowConfig, with_overrides
-from engine.preflight import preflight
+from engine.preflight import STAGES, preflight
 from engine.report import write_run_report
 from engine.results import PipelineResult, RunReport, StageResult
 from engine.run import Run, open_run
@@ -27,6 +27,9 @@ from tasks.hooks import config_of_run, kill_pools_on_exit
 from tasks.pools import inference_pool
 from tasks.reporting import publish_summary
 from tasks.stages import evaluate_checkpoint, rl_loop, sft_warmup
+
+#: The stages each flow runs (what preflight checks for it).
+FLOW_STAGES = {"post-train": STAGES, "sft": ("sft",), "rl": ("rl",), "evaluate": ("eval",)}
 
 
 def resolve(config: PrimeflowConfig, overrides: dict[str, Any] | None) -> PrimeflowConfig:
@@ -38,8 +41,7 @@ def resolve(config: PrimeflowConfig, overrides: dict[str, Any] | None) -> Primef
     config = config_of_run(
         flow_run.flow_name, flow_run.name, {"config": config, "overrides": overrides}
     )
-    sft = flow_run.flow_name in ("post-train", "sft") and config.sft.enabled
-    problems = preflight(config, sft=sft)
+    problems = preflight(config, FLOW_STAGES.get(flow_run.flow_name, STAGES))
     if problems:
         raise ValueError("; ".join(problems))
     return config

@@ -54,7 +54,7 @@ def shared_pools(
     config = with_overrides(config, overrides or {})
     if config.pools.name is None:
         raise ValueError("set pools.name: the name tenants use to find these pools")
-    problems = preflight(config, sft=False)  # e.g. a base model folder not made yet
+    problems = preflight(config, ())  # e.g. a base model folder not made yet
     if problems:
         raise ValueError("; ".join(problems))
     pools = start_shared_pools(config)

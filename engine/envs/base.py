@@ -63,6 +63,11 @@ class Environment(ABC):
     def tasks(self, split: Split) -> Sequence[Task]:
         """The split's tasks in a fixed order (the same on every call and every machine)."""
 
+    def prompt_tools(self, task: Task) -> list[dict[str, Any]] | None:
+        """The tool schemas the chat template renders into `task`'s first prompt (None: no
+        tools): what, beside the messages, takes room in the context."""
+        return None
+
     @abstractmethod
     async def run_group(
         self, task: Task, n: int, generator: TurnGenerator, sampling: SamplingConfig

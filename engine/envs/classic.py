@@ -24,6 +24,7 @@ from engine.envs.client import (
     SAMPLING_KEY,
     TURNS_KEY,
     SamplerClient,
+    native_tool,
     to_chat_message,
 )
 from engine.envs.reward_errors import reward_errors
@@ -100,6 +101,10 @@ class ClassicEnvironment(Environment):
     def tasks(self, split: Split) -> Sequence[Task]:
         dataset = self.env.get_dataset() if split == "train" else self.env.get_eval_dataset()
         return _DatasetTasks(self.name, dataset)
+
+    def prompt_tools(self, task: Task) -> list[dict[str, Any]] | None:
+        tools = getattr(self.env, "tool_defs", None)
+        return [native_tool(tool) for tool in tools] if tools else None
 
     async def run_group(
         self, task: Task, n: int, generator: TurnGenerator, sampling: SamplingConfig

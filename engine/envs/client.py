@@ -95,6 +95,18 @@ class _Native:
     parse_tools: bool
 
 
+def native_tool(tool: vf.Tool) -> dict[str, Any]:
+    """A verifiers tool as the chat template's `tools` entry (OpenAI's function schema)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": dict(tool.parameters),
+        },
+    }
+
+
 class SamplerClient(vf.Client):
     """A `vf.Client` whose every model call is one `TurnGenerator` turn."""
 
@@ -109,14 +121,7 @@ class SamplerClient(vf.Client):
         raise TypeError("SamplerClient wraps a TurnGenerator; it is not built from a config")
 
     async def to_native_tool(self, tool: vf.Tool) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": dict(tool.parameters),
-            },
-        }
+        return native_tool(tool)
 
     async def to_native_prompt(self, messages: vf.Messages) -> tuple[list[dict[str, Any]], dict]:
         return [to_chat_message(message) for message in messages], {}

@@ -34,6 +34,7 @@ from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
+from engine.orchestrator.skips import SkipWatch
 from engine.orchestrator.step_metrics import mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
@@ -105,6 +106,7 @@ class Orchestrator:
         self._trained_window: deque[dict[str, int]] = deque(maxlen=MIX_WINDOW)
         self.advantage_fn = build_advantage_fn(config.advantage, config.sampling.max_tokens)
         self.filters = build_filters(config.filters)
+        self.skips = SkipWatch()
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
         self._pending: deque[tuple[int, Group]] = deque()
@@ -196,7 +198,9 @@ class Orchestrator:
             blocked_since = None
             for task in await self._wait_for(set(self._inflight)):
                 if task in self._inflight:
-                    self._pending.append(self._finish(task))
+                    index, group = self._finish(task)
+                    self.skips.record(group)  # an environment that only skips fails here
+                    self._pending.append((index, group))
 
     async def _wait_for(self, tasks: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
         """Wait up to a poll interval for one of `tasks` or the running reload to end; the
@@ -421,6 +425,7 @@ class Orchestrator:
             **self._timing,
             "policy/verified_tensors": self.server.verified_tensors,
         }
+        self.skips.say()
         await asyncio.to_thread(write_metrics, self.store, METRICS_STAGE, step, metrics)
         await asyncio.to_thread(write_rollouts, self.store, step, rows, meta=meta)
         self.metrics.append({"step": step, **metrics})

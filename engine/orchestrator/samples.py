@@ -1,7 +1,8 @@
 """Played groups → training samples: skip what cannot be trained on, score, split, count.
 
-A rollout is skipped, with its reason counted, when its environment failed, its prompt did not
-fit the context, the model sampled nothing, or its reward is not a finite number. The rest get
+A rollout is skipped, with its reason counted (and one example per reason kept for the log),
+when its environment failed, its prompt did not fit the context, the model sampled nothing, or
+its reward is not a finite number. The rest get
 group-relative advantages (computed over the group's usable rollouts) and become one sample per
 token sequence — several when a chat template rewrote history mid-conversation.
 """
@@ -65,6 +66,8 @@ class Group:
     group_id: int
     samples: list[TrainSample]
     skipped: Counter[str] = field(default_factory=Counter)
+    #: One skipped rollout per reason, described for the log (`engine.orchestrator.skips`).
+    skip_examples: dict[str, str] = field(default_factory=dict)
     #: Extra sequences made by splitting rollouts whose history a template rewrote.
     splits: int = 0
     rollouts: int = 0
@@ -99,13 +102,7 @@ def build_group(
         if reason is not None:
             group.skipped[reason] += 1
             detail = f": {rollout.error}" if rollout.error else ""
-            logger.warning(
-                "skipped a rollout of %s example %d (%s)%s",
-                rollout.env,
-                rollout.example_id,
-                reason,
-                detail,
-            )
+            group.skip_examples.setdefault(reason, f"example {rollout.example_id}{detail}")
             continue
         sequences = assemble(rollout.turns)
         if rollout.context_exhausted:  # the conversation was cut off by the context, not ended

@@ -23,9 +23,10 @@ from engine.envs import load_environment
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
+from engine.orchestrator.skips import EnvironmentSkippedError
 from engine.run import run_store
 from storage.checkpoints import write_checkpoint
-from storage.commit import wait_for_step
+from storage.commit import committed_steps, wait_for_step
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.shards import read_rollouts
@@ -298,3 +299,23 @@ def test_online_evaluations_take_every_interval_s_policy_on_held_out_tasks(
     for line in read_metrics(store, "orchestrator"):
         assert 0.0 <= line["advantage/zero_group_fraction"] <= 1.0
         assert 0.0 <= line["advantage/nonzero_token_fraction"] <= 1.0
+
+
+@pytest.mark.timeout(180)
+def test_an_environment_whose_every_prompt_is_too_long_fails_the_run_instead_of_spinning(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], caplog: Any
+) -> None:
+    """The calc tool env's prompts (the tool schema rendered in the system turn) outgrow a short
+    context: every draw is skipped. The run used to draw again forever, 280,000 warnings in 10
+    minutes; it now fails after one window of rollouts, in one line (issue 31)."""
+    calc = EnvConfig(id="tests.unit.envs.calc_env")
+    config = make_config(seq_len=300, orchestrator={"envs": [calc], "max_async_level": 1})
+    with caplog.at_level("WARNING"), pytest.raises(EnvironmentSkippedError) as caught:
+        run_orchestrator(config, pool)
+    message = str(caught.value)
+    assert message.startswith("environment 'tests.unit.envs.calc_env': ")
+    assert "rollouts were skipped (prompt_too_long: example" in message
+    assert "raise seq_len" in message and "\n" not in message
+    skip_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped")]
+    assert 1 <= len(skip_lines) <= 3, skip_lines  # counted lines, not one per rollout
+    assert committed_steps(run_store(config), RunLayout.ROLLOUTS) == []

@@ -30,7 +30,7 @@ def test_each_missing_piece_is_named_by_its_key(tmp_path: Path) -> None:
         f"sft.data.path = {tmp_path / 'conversations.jsonl'}: no such file",
     ]
     # SFT's data matters only to commands that run SFT; a hub dataset name is not a path.
-    assert len(preflight(config, sft=False)) == 2
+    assert len(preflight(config, ("rl", "eval"))) == 2
     hub = with_overrides(PrimeflowConfig(), {"sft.data.path": "org/paragraphs-v1"})
     assert preflight(hub) == []
 
@@ -52,3 +52,24 @@ def test_an_environment_that_raises_while_loading_is_named_with_the_exception_ty
         "eval.envs[0]: environment 'tests.unit.reliability.bad_reward_env' failed to load: "
         "TypeError: load_environment() got an unexpected keyword argument 'nope'"
     ]
+
+
+def test_an_environment_whose_prompts_cannot_fit_seq_len_is_refused_with_the_length_it_needs() -> (
+    None
+):
+    """The tool schema the template renders makes every calc prompt longer than a short context:
+    drawn and skipped forever at run time once, refused here in one line now (issue 31)."""
+    calc = [{"id": "tests.unit.envs.calc_env"}]
+    short = with_overrides(
+        PrimeflowConfig(),
+        {"seq_len": 448, "orchestrator.envs": calc, "orchestrator.sampling.max_tokens": 80},
+    )
+    (problem,) = preflight(short, ("rl",))
+    assert problem.startswith(
+        "orchestrator.envs[0]: environment 'tests.unit.envs.calc_env': its train prompts take up "
+        "to "
+    )
+    needed = int(problem.rsplit("at least ", 1)[1])
+    tokens = int(problem.split("take up to ")[1].split()[0])
+    assert needed == tokens + 80 > 448 and "orchestrator.sampling.max_tokens = 80" in problem
+    assert preflight(with_overrides(short, {"seq_len": needed}), ("rl",)) == []
