@@ -58,8 +58,13 @@ def load_environment(config: EnvConfig) -> Environment:
     module = import_environment(config.id)
     name = config.name or config.id
     if hasattr(module, "load_environment"):
+        import datasets
+
         from engine.envs.classic import ClassicEnvironment, no_signal_handlers
 
+        # verifiers formats datasets with `map`, whose progress bars would fill the stderr of
+        # a command that has one line to say (a preflight refusal) and every run's log.
+        datasets.disable_progress_bars()
         with no_signal_handlers():
             env = module.load_environment(**config.args)
         return ClassicEnvironment(env, name=name)

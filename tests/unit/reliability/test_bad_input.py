@@ -96,6 +96,7 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("preflight-model-folder", None, ["--model.name", "./no-such-model"], r"model\.name: model path \./no-such-model does not exist"),
     ("preflight-env-not-installed", '[[orchestrator.envs]]\nid = "no-such-env"', [], r"orchestrator\.envs\[0\]\.id: environment 'no-such-env' not found: no module 'no_such_env' is installed\."),
     ("preflight-env-load-raises", '[[orchestrator.envs]]\nid = "tests.unit.reliability.bad_reward_env"\nargs = {nope = 1}', [], r"orchestrator\.envs\[0\]: environment 'tests\.unit\.reliability\.bad_reward_env' failed to load: TypeError: load_environment\(\) got an unexpected keyword argument 'nope'"),
+    ("preflight-prompts-too-long", 'seq_len = 448\n[[orchestrator.envs]]\nid = "tests.unit.envs.calc_env"\n[orchestrator.sampling]\nmax_tokens = 80', [], r"orchestrator\.envs\[0\]: environment 'tests\.unit\.envs\.calc_env': its train prompts take up to \d+ tokens \(example \d+, chat template, system prompt and tools included\), which leaves no room for orchestrator\.sampling\.max_tokens = 80 in seq_len = 448: set seq_len to at least \d+"),
 ]  # fmt: skip
 
 
