@@ -218,7 +218,10 @@ def report(result: dict[str, Any], out: Path | None) -> None:
         figure_png(result, out.with_suffix(".png"))
 
 
-def launch(workdir: Path, name: str, flags: Sequence[str], shared: Sequence[str], sft: str):
+def launch(
+    workdir: Path, name: str, flags: Sequence[str], shared: Sequence[str], sft: str
+) -> subprocess.Popen[bytes]:
+    """Start arm `name` in a process of its own, its output to `arm-<name>.log`."""
     log = (workdir / f"arm-{name}.log").open("ab")
     command = [sys.executable, "-m", "tests.bench.e2e.bench_learning", "--run-arm", name,
                "--sft-checkpoint", sft, "--", *shared, *flags]  # fmt: skip
