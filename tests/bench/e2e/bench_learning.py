@@ -111,6 +111,10 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _series(lines: Sequence[dict], key: str) -> list[float]:
     return [line[key] for line in lines if isinstance(line.get(key), int | float)]
 
@@ -172,6 +176,12 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
         "step_s_median": statistics.median(b - a for a, b in itertools.pairwise(times))
         if len(times) > 2
         else None,
+        # Where a step's time goes: the trainer's own compute and its wait for rollouts, the
+        # pool's sampling rate and its weight swaps.
+        "train_s_median": _median(_series(train, "step_seconds")),
+        "wait_s_median": _median(_series(train, "wait_seconds")),
+        "sampled_tokens_per_s": _median(_series(orch, "throughput/tokens_per_s")),
+        "reload_s_median": _median(_series(orch, "time/reload_s")),
     }
 
 
@@ -204,7 +214,8 @@ def figure_png(result: dict[str, Any], path: Path) -> None:
 def table(result: dict[str, Any]) -> str:
     keys = ("steps", "greedy_first", "greedy_last", "greedy_best", "sampled_first",
             "sampled_last", "train_reward_first10", "train_reward_last10", "entropy_first10",
-            "entropy_last10", "zero_group_fraction", "clip_fraction", "step_s_median")  # fmt: skip
+            "entropy_last10", "zero_group_fraction", "clip_fraction", "step_s_median",
+            "train_s_median", "wait_s_median", "sampled_tokens_per_s")  # fmt: skip
     rows = ["| arm | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, arm in result["arms"].items():
         cells = [f"{arm[k]:.3f}" if isinstance(arm[k], float) else str(arm[k]) for k in keys]
