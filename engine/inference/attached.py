@@ -57,6 +57,8 @@ class AttachedPool:
             Endpoint(index=index, base_url=url, model=model) for index, url in enumerate(urls)
         ]
         self._urls = urls
+        #: An adapter swap is not broken into phases (the orchestrator's `PolicyServer`).
+        self.last_swap: dict[str, float] = {}
         self._lock = threading.Lock()
         self._adapters = AdapterLineage(
             tenant,

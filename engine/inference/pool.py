@@ -107,6 +107,12 @@ class InferencePool:
         self._reload_lock = threading.Lock()
         #: Parameters found bit-identical to their checkpoint by verified reloads, all servers.
         self.verified_tensors = 0
+        #: Where the last reload's time went, in seconds: `fetch` (the chain into the local
+        #: cache, hashes checked), `load` and `paused` (the slowest server's weight load, and
+        #: its whole pause: load, KV reset and the pause and resume calls). The orchestrator
+        #: reports them per step; a slow swap is otherwise one number with no culprit.
+        self.last_swap: dict[str, float] = {}
+        self._server_swaps: dict[int, dict[str, float]] = {}
         self._pipe_write: int | None = None
         self._pipe_read: int | None = None
 
@@ -323,16 +329,21 @@ class InferencePool:
         location = os.fspath(checkpoint)
         version = named_version(location, version)
         with self._reload_lock:
+            started = time.monotonic()
+            self.last_swap, self._server_swaps = {}, {}
             try:
                 folders = self._local_chain(location, self._held_uid)
             except (OSError, ValueError) as exc:
                 raise ReloadError(f"cannot reload {location}: {exc}") from exc
             if not folders:  # the servers hold this very version already
                 return version
+            fetched = time.monotonic() - started
             if is_adapter(folders[0]):
                 return self._swap_adapter(location, folders[0], version)
             served = self._reload_all(location, folders, version)
             self._base = location
+            slowest = max(self._server_swaps.values(), key=lambda s: s["paused"], default={})
+            self.last_swap = {"fetch": fetched, **slowest}
             return served
 
     def _local_chain(self, location: str, held_uid: str | None) -> list[Path]:
@@ -444,16 +455,21 @@ class InferencePool:
         """
         endpoint = self.endpoints[server.spec.index]
         with self._control(server) as http:
+            paused = time.monotonic()
             pause = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             expect_ok(pause, "pause")
             try:
+                loading = time.monotonic()
                 results = self._rpc(http, _RELOAD_METHOD, str(version), *map(str, folders))
+                loaded = time.monotonic() - loading
                 _confirm_version(results, version)
                 _reset_kv_cache(http)
                 endpoint.policy_version = version
             finally:
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")
+        swap = {"load": loaded, "paused": time.monotonic() - paused}
+        self._server_swaps[server.spec.index] = swap
         held = {result.get("holds") for result in results}
         return held.pop() if len(held) == 1 else None
 

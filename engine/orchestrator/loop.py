@@ -64,6 +64,8 @@ class PolicyServer(Protocol):
 
     #: Parameters verified bit-identical to their checkpoint so far (0 unless verifying).
     verified_tensors: int
+    #: Seconds per phase of the last reload (`InferencePool.last_swap`; empty: not measured).
+    last_swap: dict[str, float]
 
     def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int: ...
 
@@ -121,7 +123,8 @@ class Orchestrator:
         #: The held-out evaluation of the served policy, while one runs (no reload meanwhile).
         self._evaluation: asyncio.Task[dict] | None = None
         self._last_evaluated = online_eval.last_done(store) if online_eval else None
-        # Seconds of the step being built: reloads that ended in it, blocked on the policy.
+        # Seconds of the step being built: reloads that ended in it (and their phases, as the
+        # pool measures them), blocked on the policy.
         self._timing = {"time/reload_s": 0.0, "time/policy_wait_s": 0.0}
         # Set by a supervising thread: without it a loop whose trainer died would keep sampling
         # (and later committing) beside the stage's retry, two writers of the same steps.
@@ -352,6 +355,9 @@ class Orchestrator:
         finally:
             self._timing["time/reload_s"] += time.monotonic() - started
         self._reload_failures = 0
+        for phase, seconds in self.server.last_swap.items():
+            key = f"time/reload_{phase}_s"
+            self._timing[key] = self._timing.get(key, 0.0) + seconds
         logger.info("the pool serves policy version %d (%s)", version, uri)
 
     # -- output -----------------------------------------------------------------------------

@@ -180,9 +180,17 @@ def test_synchronous_bound_waits_for_and_loads_the_next_policy_version(
     assert pool.policy_version == 1
     # On-policy, only what a batch still lacks is sampled (max_concurrent 16 is two batches):
     # nothing lands after its batch closed to be thrown away as stale.
-    for line in read_metrics(run_store(config), "orchestrator"):
+    lines = read_metrics(run_store(config), "orchestrator")
+    for line in lines:
         assert line["count/stale/async_bound"] == 0
         assert line["tokens/reverse-text/stale"] == 0
+    # The reload of version 1 ended while batch 2 was built, and its time is broken down: the
+    # fetch, then the server's pause, the weight load inside it.
+    swap = lines[1]
+    phases = [swap[f"time/reload_{phase}_s"] for phase in ("fetch", "paused", "load")]
+    assert all(seconds > 0 for seconds in phases), swap
+    assert swap["time/reload_load_s"] < swap["time/reload_paused_s"]
+    assert swap["time/reload_fetch_s"] + swap["time/reload_paused_s"] <= swap["time/reload_s"]
 
 
 class HeldReloads:
