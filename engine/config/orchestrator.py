@@ -119,7 +119,9 @@ class OrchestratorConfig(BaseConfig):
         Field(
             ge=0,
             description="Rollouts for batch n start from policy ≥ n-1-this; 0 is synchronous "
-            "on-policy.",
+            "on-policy. A rollout that outlives its batch lands in a later one, so a batch can "
+            "hold groups further behind (up to max_off_policy_steps), each token weighed by "
+            "the importance ratio of the policy that sampled it.",
         ),
     ] = 1
     max_off_policy_steps: Annotated[
