@@ -74,7 +74,7 @@ def primeflow_home() -> Path:
 def local_run_dir(config: PrimeflowConfig) -> Path:
     """A local folder for what only makes sense on this host: process logs and process groups.
 
-    On `file://` it is the run root itself, so `<run>/logs/` holds the logs as DESIGN §3 says;
+    On `file://` it is the run root itself, so `<run>/logs/` holds the logs as docs/storage.md says;
     for a remote root it is `<PRIMEFLOW_HOME>/runs/<run>`.
     """
     uri = run_uri(config.storage.uri, config.run.name)

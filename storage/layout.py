@@ -1,4 +1,4 @@
-"""Where everything of a run lives, relative to its run root (DESIGN.md §3).
+"""Where everything of a run lives, relative to its run root (docs/storage.md, "Run layout").
 
 Every pool derives paths from these functions and nothing else, so a trainer, an inference
 server and a notebook opened months later all agree on where step 42's shards are.

@@ -1,4 +1,4 @@
-"""The inference pool: vLLM servers serving the policy (DESIGN §4)."""
+"""The inference pool: vLLM servers serving the policy (docs/inference.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The orchestrator: environments, sampling, advantages, filters and the async bound (DESIGN §4)."""
+"""The orchestrator: environments, sampling, advantages, filters and the async bound
+(docs/algorithms.md, docs/environments.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The trainer pool: optimizer, schedule, loss, parallelism and checkpoints (DESIGN §4)."""
+"""The trainer pool: optimizer, schedule, loss, parallelism and checkpoints (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Weights & Biases logging of every metric line (DESIGN §5); off unless a project is named."""
+"""Weights & Biases logging of every metric line (docs/deployment.md); off unless a project
+is named."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """vLLM worker extension: reload a checkpoint folder in place, safely, with tied heads re-packed.
 
 Loaded by every vLLM worker through `--worker-extension-cls`, and called over the server's
-`/collective_rpc` route. It exists for four reasons vLLM's own `reload_weights` does not cover:
+`/collective_rpc` route. It exists for five reasons vLLM's own `reload_weights` does not cover:
 
 1. **Validation before mutation.** vLLM moves each layer to the meta device before it reads the
    new tensors, so a checkpoint that is missing, truncated or shaped for another model would
