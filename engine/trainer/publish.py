@@ -26,7 +26,7 @@ import functools
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -181,6 +181,9 @@ class PolicyPublisher:
     names its base's (`storage.policies`), so no reader applies it to another lineage.
     """
 
+    #: Whether versions may be deltas (and full ones sharded over the ranks).
+    publishes_deltas: ClassVar[bool] = True
+
     def __init__(
         self,
         store: ObjectStore,
@@ -203,9 +206,13 @@ class PolicyPublisher:
         self._writes = BackgroundWrite("a policy version")
         # Laid out once: naming the parameters costs more than the snapshot itself.
         self._params = model_tensors(policy)
+        self._sizes = {name: tensor.numel() for name, tensor in self._params}
+        if not self.publishes_deltas:
+            return
+        # What deltas and sharded full versions need: the owned rows in the serving dtype on
+        # the device (2 bytes a parameter for bf16), pinned staging, the version before.
         self._stream = OwnedStream(self._params, self.dtype, dist_info)
         self._staging = _Staging(dist_info.device.type == "cuda")
-        self._sizes = {name: tensor.numel() for name, tensor in self._params}
         self._owners = assign_owners(self._sizes, dist_info.world_size)
         self._previous: torch.Tensor | None = None
         self._previous_version: tuple[int, str] | None = None
@@ -386,6 +393,8 @@ class AdapterPublisher(PolicyPublisher):
     so there are no deltas; it is gathered to rank 0, which writes it in the background.
     Version 0 (B = 0) is the base model itself.
     """
+
+    publishes_deltas = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
