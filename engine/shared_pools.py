@@ -26,6 +26,7 @@ from engine.inference.adapters import AdapterLineage
 from engine.inference.control import control_client
 from engine.inference.pool import InferencePool
 from engine.process_groups import forget_group, kill_recorded_groups, record_group
+from engine.run import run_store
 from engine.stages import Logger
 from engine.tenancy import (
     PoolRecord,
@@ -36,6 +37,7 @@ from engine.tenancy import (
     tenant_names,
 )
 from engine.trainer.pool import TrainerPool
+from storage.metrics import recent_metrics
 
 log = logging.getLogger("primeflow.pools")
 #: Trainer restarts before the supervisor gives up (a trainer that keeps dying has a bug).
@@ -193,7 +195,35 @@ def status_of(name: str) -> dict[str, Any]:
     document: dict[str, Any] = {"name": name, "status": "absent"}
     if record is not None:
         document = {key: value for key, value in asdict(record).items() if key != "api_key"}
-    document["tenants_now"] = {
-        tenant: TenantFiles(name, tenant).last_state() for tenant in tenant_names(name)
-    }
+    document["tenants_now"] = {tenant: tenant_now(name, tenant) for tenant in tenant_names(name)}
+    return document
+
+
+#: Steps over which `tenant_now` measures a tenant's rate.
+RATE_WINDOW = 10
+
+
+def tenant_now(pool: str, tenant: str) -> dict[str, Any] | None:
+    """The trainer's last word on `tenant` (admitted, released, ...: its `step` is the step
+    of that word), and while the tenant asks to train: its newest trained step from its run's
+    metrics (`last_step`, `last_step_age_s`), its rate over the last steps (`steps_per_min`)
+    and the age of its lease (`heartbeat_age_s`: a tenant renews it while it lives)."""
+    files = TenantFiles(pool, tenant)
+    document = dict(files.last_state() or {})
+    try:
+        request = files.read_request()
+    except ValueError as exc:  # a request this version cannot read: say so, show the rest
+        return {**document, "request_error": str(exc)}
+    if request is None:
+        return document or None
+    attempt, config = request
+    document["heartbeat_age_s"] = files.lease_age(attempt)
+    lines = recent_metrics(run_store(config), "rl", RATE_WINDOW + 1)
+    if lines:
+        newest = lines[-1]
+        document["last_step"] = newest["step"]
+        document["last_step_age_s"] = max(0.0, time.time() - float(newest["time"]))
+        if len(lines) > 1 and newest["time"] > lines[0]["time"]:
+            steps = newest["step"] - lines[0]["step"]
+            document["steps_per_min"] = 60.0 * steps / (newest["time"] - lines[0]["time"])
     return document

@@ -44,6 +44,15 @@ def read_metrics(store: ObjectStore, stage: str) -> list[dict[str, Any]]:
     return sorted(lines, key=lambda line: line["step"])
 
 
+def recent_metrics(store: ObjectStore, stage: str, count: int) -> list[dict[str, Any]]:
+    """The lines of `stage`'s last `count` steps, in step order: what a status needs, without
+    reading a long run's every line (one file a step, named so their order is the steps')."""
+    folder = RunLayout.metrics_dir(stage)
+    names = sorted(store.list(folder))[-count:] if count > 0 else []
+    lines = [json.loads(store.read_bytes(join(folder, name))) for name in names]
+    return sorted(lines, key=lambda line: line["step"])
+
+
 def compact_metrics(store: ObjectStore) -> int:
     """Write `<run>/metrics.jsonl`: every stage's lines, ordered by time; returns the count."""
     stages = store.list(RunLayout.METRICS_DIR)
