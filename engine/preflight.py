@@ -14,7 +14,8 @@ which the orchestrator, in the same flow process, would pay anyway) and millisec
 Then a sample of each one's prompts is rendered with the policy's chat template (system prompt
 and tools included, `engine.envs.prompt_fit`): an environment whose prompts leave no room for
 its `max_tokens` within `seq_len` is refused with the `seq_len` it needs, where it used to be
-drawn and skipped forever.
+drawn and skipped forever. An RL run on shared pools (`pools.name`) is refused when those pools
+are not running or train another base model or other adapters.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine.envs import ChatTokenizer, Environment, Split
 from engine.envs.loader import load_environment, module_candidates, not_found
 from engine.envs.prompt_fit import longest_prompt
 from engine.models.resolve import resolve_model
+from engine.tenancy import NoSuchPoolError, PoolRecord, misfits
 
 #: The stages a command may run.
 STAGES = ("sft", "rl", "eval")
@@ -46,6 +48,19 @@ def _model_problem(name: str) -> str | None:
         if not (folder / "config.json").is_file():
             reason = "does not exist" if not folder.exists() else "has no config.json"
             return f"model.name: model path {name} {reason}"
+    return None
+
+
+def _tenant_problem(config: PrimeflowConfig, pools: str) -> str | None:
+    """RL on shared pools that are not running, or that train another base or other adapters:
+    the shared trainer would refuse the tenant anyway, after its flow run had started."""
+    try:
+        record = PoolRecord.read(pools)
+    except NoSuchPoolError as exc:
+        return f"pools.name: {exc}"
+    problems = misfits(record.model, record.lora, config)
+    if problems:
+        return f"pools.name: this run cannot train on pools {pools!r}: {'; '.join(problems)}"
     return None
 
 
@@ -162,6 +177,8 @@ def preflight(config: PrimeflowConfig, stages: Collection[str] = STAGES) -> list
     if "eval" in stages or ("rl" in stages and config.eval.interval is not None):
         samples.add("eval")
     problems += _environment_problems(config, samples)
+    if "rl" in stages and config.pools.name is not None:
+        problems += [p for p in [_tenant_problem(config, config.pools.name)] if p]
     if "sft" in stages and config.sft.enabled:
         problems += [p for p in [_sft_data_problem(config)] if p]
     return problems
