@@ -11,6 +11,11 @@ class ReloadError(RuntimeError):
     """A checkpoint could not be swapped in; the servers still serve the previous weights."""
 
 
+class ServerDiedError(ReloadError):
+    """A server of the pool is not running: no reload succeeds until the pool is restarted,
+    so one is not retried against it."""
+
+
 class ServedWeightsMismatchError(RuntimeError):
     """A verified reload found served parameters that differ from the checkpoint: a bug, and
     never retried (see `InferenceConfig.verify_reloads`)."""

@@ -35,10 +35,12 @@ from engine.inference.checkpoints import (
 from engine.inference.control import (
     ReloadError,
     ServedWeightsMismatchError,
+    ServerDiedError,
     control_client,
     expect_ok,
     named_version,
 )
+from engine.inference.diagnose import failure_cause
 from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
 from engine.inference.reload_ext import commit_meta, is_delta, served_model_folder
@@ -422,6 +424,21 @@ class InferencePool:
             if error is None:
                 self._reload_server(server, previous_chain, previous_version)
         server, error = failed[0]
+        dead = [s for s in self._servers if s.process.poll() is not None]
+        if dead:
+            raise ServerDiedError(
+                f"reload of {location} failed: "
+                + "; ".join(
+                    f"inference server {s.spec.index} is not running "
+                    f"({failure_cause(s.log_text(), s.process.returncode)}; log: {s.log_path})"
+                    for s in dead
+                )
+                + (
+                    f"; the other servers still serve policy version {previous_version}"
+                    if len(dead) < len(self._servers)
+                    else ""
+                )
+            )
         raise ReloadError(
             f"reload of {location} failed on server {server.spec.index}: {error}; "
             f"all servers still serve policy version {previous_version}"

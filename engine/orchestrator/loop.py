@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from engine.config.orchestrator import OrchestratorConfig
 from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task, TurnGenerator
-from engine.inference.control import ServedWeightsMismatchError
+from engine.inference.control import ServedWeightsMismatchError, ServerDiedError
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
@@ -339,12 +339,13 @@ class Orchestrator:
 
     async def _load_policy(self, version: int) -> None:
         """Load policy `version` into the pool; a failure is retried at the next poll, up to
-        `MAX_RELOAD_FAILURES` in a row, and a served-weights mismatch stops the run."""
+        `MAX_RELOAD_FAILURES` in a row, and a served-weights mismatch or a dead server stops
+        the run at once."""
         uri = self.store.url(RunLayout.policy_dir(version))
         started = time.monotonic()
         try:
             await asyncio.to_thread(self.server.reload, uri, version)
-        except ServedWeightsMismatchError:
+        except (ServedWeightsMismatchError, ServerDiedError):
             raise
         except Exception as exc:
             self._reload_failures += 1

@@ -19,6 +19,7 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.envs import SamplerFailedError
+from engine.inference.control import ServerDiedError
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
@@ -89,3 +90,28 @@ def test_killed_server_stops_the_run_with_one_line_and_the_run_resumes(
     assert run_orchestrator(config, pool) == 0
     assert_every_step_committed_once(store, MAX_STEPS, checkpoints=False)
     assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))
+
+
+@pytest.mark.timeout(240)
+def test_a_reload_on_a_dead_server_says_it_is_dead(
+    weights: Weights, tmp_path: Path, leftovers: Any
+) -> None:
+    """Not "Connection refused; all servers still serve policy version N": the server is named
+    as not running, with why it ended and its log, and no retry is made against it
+    (`ServerDiedError`, which the orchestrator does not retry)."""
+    doomed = InferencePool(pool_config(weights), log_dir=tmp_path / "doomed-logs")
+    doomed.start()
+    try:
+        for pgid in doomed.process_groups.values():
+            os.killpg(pgid, signal.SIGKILL)
+        (server,) = doomed._servers
+        assert poll_until(lambda: server.process.poll() is not None)
+        with pytest.raises(ServerDiedError) as died:
+            doomed.reload(weights.other)
+    finally:
+        doomed.stop()
+    message = str(died.value)
+    assert "\n" not in message and "still serve" not in message, message
+    assert "inference server 0 is not running" in message, message
+    assert "SIGKILL" in message and str(server.log_path) in message, message
+    assert leftovers() == []
