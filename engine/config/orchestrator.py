@@ -148,6 +148,14 @@ class OrchestratorConfig(BaseConfig):
     ] = 3600.0
     sampling: SamplingConfig = SamplingConfig()
     advantage: AdvantageConfig = GroupRelativeAdvantageConfig()
+    truncated_reward: Annotated[
+        float | None,
+        Field(
+            description="Count a rollout that never ended (cut at max_tokens or by seq_len) "
+            "with this reward in the advantages; None: its environment's reward. Set it where "
+            "a complete answer always fits, so RL keeps the policy ending its replies."
+        ),
+    ] = None
     filters: Annotated[list[FilterConfig], Field(description="Applied in order.")] = []
 
     @model_validator(mode="after")

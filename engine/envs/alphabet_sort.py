@@ -9,6 +9,7 @@ shares an example with the train split.
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import random
 import re
@@ -118,11 +119,18 @@ def _replies(completion: Any) -> list[str]:
 
 
 class AlphabetSortEnv(vf.MultiTurnEnv):
-    """Serves the next turn's names until the example's turns run out."""
+    """Serves the next turn's names until the example's turns run out, each reply after
+    `response_delay_s` (0 unless a benchmark stands in a slow tool with it)."""
+
+    def __init__(self, *, response_delay_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.response_delay_s = response_delay_s
 
     async def env_response(
         self, messages: vf.Messages, state: vf.State, **kwargs: Any
     ) -> vf.Messages:
+        if self.response_delay_s > 0:
+            await asyncio.sleep(self.response_delay_s)
         turns = state["info"]["turns"]
         answered = len(_replies(messages))
         return [vf.UserMessage(content=NEXT_PROMPT.format(names=", ".join(turns[answered])))]
@@ -153,12 +161,17 @@ def load_environment(
     min_names: int = 2,
     max_names: int = 3,
     seed: int = 0,
+    response_delay_s: float = 0.0,
 ) -> vf.Environment:
-    """A multi-turn verifiers environment over generated name lists."""
+    """A multi-turn verifiers environment over generated name lists. `response_delay_s`:
+    seconds each environment reply waits, the latency of a slow tool (for benchmarks of
+    long agentic rollouts: tests/bench/e2e/bench_agentic.py)."""
     from datasets import Dataset
 
     if num_turns < 1 or not 1 <= min_names <= max_names or num_turns * max_names > len(NAMES):
         raise ValueError("need num_turns >= 1, 1 <= min_names <= max_names, and enough names")
+    if response_delay_s < 0:
+        raise ValueError(f"response_delay_s must be >= 0 (got {response_delay_s})")
 
     def rows(examples: list[list[list[str]]]) -> Dataset:
         return Dataset.from_list(
@@ -184,4 +197,5 @@ def load_environment(
         eval_dataset=lambda: rows(splits()[1]),
         rubric=_rubric(num_turns),
         max_turns=num_turns,
+        response_delay_s=response_delay_s,
     )

@@ -261,6 +261,7 @@ class Orchestrator:
             group_id=launch.group_id,
             temperature=launch.entry.sampling.temperature,
             advantage_fn=self.advantage_fn,
+            truncated_reward=self.config.truncated_reward,
         )
         return launch.index, group
 

@@ -92,8 +92,18 @@ def build_group(
     group_id: int,
     temperature: float,
     advantage_fn: AdvantageFn,
+    truncated_reward: float | None = None,
 ) -> Group:
-    """Training samples of one played group, with skips and splits counted."""
+    """Training samples of one played group, with skips and splits counted.
+
+    `truncated_reward`: the reward a rollout that never ended (cut at `max_tokens` or by the
+    context) counts with in the advantages, instead of its environment's (None: the
+    environment's). An environment that scores the first answer in a reply leaves what comes
+    after it free, so nothing rewards ending the reply; a policy under RL then drifts off its
+    end-of-turn token, pads every reply with text to `max_tokens`, and that text creeps into the
+    answers (the CPU demo's RL collapsed to reward 0 that way: docs/benchmarks.md). The
+    sample's `reward` stays the environment's.
+    """
     env = rollouts[0].env if rollouts else ""
     group = Group(env=env, group_id=group_id, samples=[], rollouts=len(rollouts))
     usable: list[tuple[int, Rollout, list[TokenSequence]]] = []
@@ -109,7 +119,13 @@ def build_group(
             sequences[-1] = dataclasses.replace(sequences[-1], is_truncated=True)
         usable.append((index, rollout, sequences))
     lengths = [sum(s.sampled_tokens for s in sequences) for _, _, sequences in usable]
-    advantages = advantage_fn([r.reward for _, r, _ in usable], lengths)
+    scored = [
+        truncated_reward
+        if truncated_reward is not None and sequences[-1].is_truncated
+        else rollout.reward
+        for _, rollout, sequences in usable
+    ]
+    advantages = advantage_fn(scored, lengths)
     for (index, rollout, sequences), advantage, length in zip(
         usable, advantages, lengths, strict=True
     ):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
+
+import pytest
 
 from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.envs import (
@@ -125,3 +128,16 @@ def test_alphabet_sort_oracle_scores_one_over_three_turns_in_one_sequence(
     text = hf_tokenizer.decode(sequence.token_ids)
     assert text.count("<|im_start|>assistant\n<sorted>") == 3
     assert text.count("<|im_start|>user\n") == 3
+
+
+def test_alphabet_sort_replies_after_its_tool_latency() -> None:
+    """`response_delay_s` stands in a slow tool: the next turn's names come no sooner."""
+    env = alphabet_sort.load_environment(num_train_examples=4, num_turns=3, response_delay_s=0.2)
+    turns = [["Al", "Zoe"], ["Max"], ["Bo"]]
+    messages = [{"role": "user", "content": "sort"}, {"role": "assistant", "content": "x"}]
+    started = time.monotonic()
+    (reply,) = asyncio.run(env.env_response(messages, {"info": {"turns": turns}}))
+    assert time.monotonic() - started >= 0.2
+    assert "Max" in reply["content"]
+    with pytest.raises(ValueError, match="response_delay_s must be >= 0"):
+        alphabet_sort.load_environment(response_delay_s=-1)

@@ -71,6 +71,23 @@ def test_a_conversation_cut_off_by_the_context_is_truncated() -> None:
     assert [s.is_truncated for s in built.samples] == [True]
 
 
+def test_a_reply_that_never_ended_counts_with_the_truncated_reward() -> None:
+    """Cut at max_tokens (finish reason `length`) or by the context: scored as
+    `truncated_reward` in the advantages, while the sample keeps its environment's reward."""
+    ended = rollout(0.8, [turn((1, 2), (3, 4))])
+    cut = rollout(0.8, [dataclasses.replace(turn((1, 2), (3, 4)), finish_reason="length")])
+    context = rollout(0.8, [turn((1, 2), (3,))], context_exhausted=True)
+    played = [ended, cut, context]
+    kept = build_group(played, group_id=0, temperature=1.0, advantage_fn=advantages)
+    assert [round(s.advantage, 9) for s in kept.samples] == [0.0, 0.0, 0.0]  # no signal
+    shaped = build_group(
+        played, group_id=0, temperature=1.0, advantage_fn=advantages, truncated_reward=0.0
+    )
+    assert [s.is_truncated for s in shaped.samples] == [False, True, True]
+    assert [round(s.advantage, 6) for s in shaped.samples] == [0.533333, -0.266667, -0.266667]
+    assert [s.reward for s in shaped.samples] == [0.8, 0.8, 0.8]
+
+
 def test_batches_close_on_whole_groups_and_count_what_they_left_out() -> None:
     builder = BatchBuilder(
         3,
