@@ -5,9 +5,9 @@ The environment is alphabet-sort: `num_turns` model turns, each environment repl
 `response_delay_s` (the latency of a tool). The orchestrator runs alone on one pool (no
 trainer: `max_async_level` is the step count, so every step may use the starting policy), and
 each arm's rate is the sampled tokens it committed over the time from its first step's start
-to its last commit (give it many more rollouts than are in flight at once). While a rollout waits for its tool it
-samples nothing, so with as many rollouts in flight as requests the server idles; issue 31's
-target is ≥ 0.7× the single-turn rate.
+to its last commit (give it many more rollouts than are in flight at once). While a rollout
+waits for its tool it samples nothing, so with as many rollouts in flight as requests the
+server idles; issue 31's target is ≥ 0.7× the single-turn rate.
 
     python -m tests.bench.e2e.bench_agentic                           # CPU: the tiny model
     python -m tests.bench.e2e.bench_agentic --config configs/reverse_text/gpu.toml --steps 8
