@@ -165,11 +165,15 @@ def _sft_data_problem(config: PrimeflowConfig) -> str | None:
     return None
 
 
-def preflight(config: PrimeflowConfig, stages: Collection[str] = STAGES) -> list[str]:
+def preflight(
+    config: PrimeflowConfig, stages: Collection[str] = STAGES, *, pools: bool = True
+) -> list[str]:
     """What is wrong with `config` on this machine, one line each (empty: nothing found).
     `stages`: what the command runs, of `STAGES`: SFT's data is checked only when it runs SFT
     (and `sft.enabled`), the training environments' prompts must fit when it runs RL, the
-    evaluation environments' when it evaluates (RL does with `eval.interval`)."""
+    evaluation environments' when it evaluates (RL does with `eval.interval`). `pools`: check
+    the shared pools an RL tenant names (running, and training its base and adapter shape);
+    a dry run, which starts nothing, leaves them out."""
     problems = [p for p in [_model_problem(config.model.name)] if p]
     samples = set()
     if "rl" in stages:
@@ -177,7 +181,7 @@ def preflight(config: PrimeflowConfig, stages: Collection[str] = STAGES) -> list
     if "eval" in stages or ("rl" in stages and config.eval.interval is not None):
         samples.add("eval")
     problems += _environment_problems(config, samples)
-    if "rl" in stages and config.pools.name is not None:
+    if pools and "rl" in stages and config.pools.name is not None:
         problems += [p for p in [_tenant_problem(config, config.pools.name)] if p]
     if "sft" in stages and config.sft.enabled:
         problems += [p for p in [_sft_data_problem(config)] if p]

@@ -139,7 +139,7 @@ def _pools_up(argv: list[str], dry_run: bool) -> int:
     from flows import server
 
     config = load_config(argv, prog="primeflow pools up")
-    check_machine(config, ())  # a missing base model is one line, before Prefect
+    check_machine(config, (), dry_run=dry_run)  # a missing base model: one line, before Prefect
     if dry_run:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
@@ -188,10 +188,10 @@ def _server(argv: list[str], dry_run: bool) -> int:
 COMMAND_STAGES = {"pipeline": STAGES, "sft": ("sft",), "rl": ("rl",), "eval": ("eval",)}
 
 
-def check_machine(config: PrimeflowConfig, stages: Collection[str]) -> None:
+def check_machine(config: PrimeflowConfig, stages: Collection[str], *, dry_run: bool) -> None:
     """`ConfigError` (one line) for what this machine lacks for `stages`: found before any pool
-    starts."""
-    problems = preflight(config, stages)
+    starts (a dry run does not need the shared pools it names to be up)."""
+    problems = preflight(config, stages, pools=not dry_run)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command.run_plain(rest, dry_run)
         assert command.run is not None
         config = load_config(rest, prog=f"primeflow {name}")
-        check_machine(config, COMMAND_STAGES.get(name, ()))
+        check_machine(config, COMMAND_STAGES.get(name, ()), dry_run=dry_run)
         if dry_run:
             print(json.dumps(config.model_dump(mode="json"), indent=2))
             return 0

@@ -77,7 +77,13 @@ def test_a_misfit_tenant_exits_2_in_one_line_before_its_flow(
 
 
 def test_a_tenant_that_fits_gets_past_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """It goes on to its flow, which fails here only because no Prefect server answers."""
     config = load_config(TENANT)
     pools_training(config)
+    assert main(["rl", *TENANT]) == 1
+    assert "pools.name" not in capsys.readouterr().err
+
+
+def test_a_dry_run_does_not_need_the_pools_up(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["rl", "--dry-run", *TENANT]) == 0
     assert '"pools"' in capsys.readouterr().out
