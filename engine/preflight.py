@@ -35,7 +35,7 @@ from engine.envs import ChatTokenizer, Environment, Split
 from engine.envs.loader import load_environment, module_candidates, not_found
 from engine.envs.prompt_fit import longest_prompt
 from engine.models.resolve import resolve_model
-from engine.tenancy import NoSuchPoolError, PoolRecord, misfits
+from engine.tenancy import NoSuchPoolError, PoolRecord, refusal
 
 #: The stages a command may run.
 STAGES = ("sft", "rl", "eval")
@@ -58,10 +58,8 @@ def _tenant_problem(config: PrimeflowConfig, pools: str) -> str | None:
         record = PoolRecord.read(pools)
     except NoSuchPoolError as exc:
         return f"pools.name: {exc}"
-    problems = misfits(record.model, record.lora, config)
-    if problems:
-        return f"pools.name: this run cannot train on pools {pools!r}: {'; '.join(problems)}"
-    return None
+    refused = refusal(record, config)
+    return f"pools.name: {refused}" if refused else None
 
 
 def _installed(module: str) -> bool:

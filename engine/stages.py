@@ -29,7 +29,7 @@ from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
 from engine.results import EvalResult, StageResult
 from engine.run import Run
-from engine.tenancy import ENDED, PoolRecord, TenantFiles, misfits, pool_dir
+from engine.tenancy import ENDED, PoolRecord, TenantFiles, pool_dir, refusal
 from engine.trainer.pool import TrainerPool
 from engine.watchdog import ProgressClock, capture_stacks
 from storage.checkpoints import require_committed
@@ -197,11 +197,9 @@ class _SharedTrainer(_Trainer):
 
     def __enter__(self) -> _SharedTrainer:
         record = PoolRecord.read(self.pools)
-        problems = misfits(record.model, record.lora, self.config)
-        if problems:
-            raise ValueError(
-                f"this run cannot train on pools {self.pools!r}: {'; '.join(problems)}"
-            )
+        refused = refusal(record, self.config)
+        if refused:
+            raise ValueError(refused)
         self.attempt = self.files.request(self.config)
         self._heart = threading.Thread(target=self._renew, name="tenant-lease", daemon=True)
         self._heart.start()

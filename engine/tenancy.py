@@ -184,6 +184,15 @@ def lora_of(config: PrimeflowConfig) -> dict[str, Any]:
     }
 
 
+def refusal(record: PoolRecord, config: PrimeflowConfig) -> str | None:
+    """Why `config` cannot be a tenant of the pools `record` describes, in one line; None: it
+    can (what the tenant's stage and the CLI's preflight both say)."""
+    problems = misfits(record.model, record.lora, config)
+    if not problems:
+        return None
+    return f"this run cannot train on pools {record.name!r}: {'; '.join(problems)}"
+
+
 def misfits(model: str, lora: dict[str, Any], config: PrimeflowConfig) -> list[str]:
     """Why `config` cannot be a tenant of pools that train `model` with adapters `lora`
     (`lora_of`); empty: it can."""

@@ -426,19 +426,14 @@ class InferencePool:
         server, error = failed[0]
         dead = [s for s in self._servers if s.process.poll() is not None]
         if dead:
-            raise ServerDiedError(
-                f"reload of {location} failed: "
-                + "; ".join(
-                    f"inference server {s.spec.index} is not running "
-                    f"({failure_cause(s.log_text(), s.process.returncode)}; log: {s.log_path})"
-                    for s in dead
-                )
-                + (
-                    f"; the other servers still serve policy version {previous_version}"
-                    if len(dead) < len(self._servers)
-                    else ""
-                )
-            )
+            causes = [
+                f"inference server {s.spec.index} is not running "
+                f"({failure_cause(s.log_text(), s.process.returncode)}; log: {s.log_path})"
+                for s in dead
+            ]
+            if len(dead) < len(self._servers):
+                causes.append(f"the other servers still serve policy version {previous_version}")
+            raise ServerDiedError(f"reload of {location} failed: {'; '.join(causes)}")
         raise ReloadError(
             f"reload of {location} failed on server {server.spec.index}: {error}; "
             f"all servers still serve policy version {previous_version}"
