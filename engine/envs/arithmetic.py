@@ -3,6 +3,8 @@
 Problems come from a few templates (add, take away, multiply) with small numbers, so the
 answer is one short integer; the model writes it inside `<answer>` tags and scores 1 when it is
 exactly right, 0 otherwise. Drawn deterministically; eval never shares a problem with train.
+SFT rows (`sft_examples`) show one line of working before the answer (`12 + 7 = 19`): the
+operands copied out of the words put the arithmetic fact beside the answer it decides.
 """
 
 from __future__ import annotations
@@ -20,28 +22,44 @@ ITEMS = ("apple", "book", "coin", "cup", "egg", "pen", "shell", "stamp")
 _ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 
 
-def _add(rng: random.Random) -> tuple[str, int]:
+#: A problem: its question, its answer, and the one line of working that gives the answer.
+Problem = tuple[str, int, str]
+
+
+def _add(rng: random.Random) -> Problem:
     name, item, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 20), rng.randint(1, 20)
-    return f"{name} has {a} {item}s and gets {b} more. How many {item}s now?", a + b
+    question = f"{name} has {a} {item}s and gets {b} more. How many {item}s now?"
+    return question, a + b, f"{a} + {b} = {a + b}"
 
 
-def _take(rng: random.Random) -> tuple[str, int]:
+def _take(rng: random.Random) -> Problem:
     name, item, a = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 20)
     b = rng.randint(1, a)
-    return f"{name} has {a} {item}s and gives away {b}. How many are left?", a - b
+    return (
+        f"{name} has {a} {item}s and gives away {b}. How many are left?",
+        a - b,
+        f"{a} - {b} = {a - b}",
+    )
 
 
-def _times(rng: random.Random) -> tuple[str, int]:
+def _times(rng: random.Random) -> Problem:
     name, item, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 9), rng.randint(2, 9)
-    return f"{name} buys {a} bags with {b} {item}s each. How many {item}s?", a * b
+    question = f"{name} buys {a} bags with {b} {item}s each. How many {item}s?"
+    return question, a * b, f"{a} x {b} = {a * b}"
 
 
 TEMPLATES = (_add, _take, _times)
 
 
-def draw_problem(rng: random.Random) -> tuple[str, int]:
-    """One (question, answer) pair."""
+def draw_problem(rng: random.Random) -> Problem:
+    """One (question, answer, working) triple."""
     return rng.choice(TEMPLATES)(rng)
+
+
+def format_answer(problem: Problem) -> str:
+    """The gold reply to `problem` (what SFT teaches; it scores 1.0)."""
+    _, answer, working = problem
+    return f"{working}\n<answer>{answer}</answer>"
 
 
 def parse_answer(reply: str) -> int | None:
@@ -50,22 +68,40 @@ def parse_answer(reply: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[tuple[str, int]], ...]:
+def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[Problem], list[Problem]]:
     """Disjoint (train, eval) problems: `seed` draws train; eval is the same for every seed."""
-    answers: dict[str, int] = {}
+    problems: dict[str, Problem] = {}
 
     def draw(rng: random.Random) -> str:
-        question, answer = draw_problem(rng)
-        answers[question] = answer
-        return question
+        problem = draw_problem(rng)
+        problems[problem[0]] = problem
+        return problem[0]
 
     reserved = distinct_draws(max(num_eval, EVAL_RESERVE), random.Random(EVAL_SEED), draw)
     eval_questions = reserved[:num_eval]
     train_questions = distinct_draws(num_train, random.Random(seed), draw, exclude=reserved)
-    return (
-        [(question, answers[question]) for question in train_questions],
-        [(question, answers[question]) for question in eval_questions],
-    )
+    return [problems[q] for q in train_questions], [problems[q] for q in eval_questions]
+
+
+def prompt_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """The chat prompt for `question`."""
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+
+
+def sft_examples(
+    num_examples: int, seed: int = 0, system_prompt: str = SYSTEM_PROMPT
+) -> list[dict[str, Any]]:
+    """Worked gold replies to train-split problems, for SFT warm-up."""
+    train, _ = make_splits(num_examples, 0, seed)
+    return [
+        {
+            "messages": [
+                *prompt_messages(problem[0], system_prompt),
+                {"role": "assistant", "content": format_answer(problem)},
+            ]
+        }
+        for problem in train
+    ]
 
 
 def exact_answer(completion: Any, answer: str, **_: Any) -> float:
@@ -84,22 +120,16 @@ def load_environment(
     """A single-turn verifiers environment over generated word problems."""
     from datasets import Dataset
 
-    def rows(problems: list[tuple[str, int]]) -> Dataset:
+    def rows(problems: list[Problem]) -> Dataset:
         # Rows carry their prompt already, so verifiers has no dataset `map` to run.
         return Dataset.from_list(
             [
-                {
-                    "prompt": [
-                        {"role": "system", "content": system_prompt},
-                        {"role": "user", "content": question},
-                    ],
-                    "answer": str(answer),
-                }
-                for question, answer in problems
+                {"prompt": prompt_messages(question, system_prompt), "answer": str(answer)}
+                for question, answer, _ in problems
             ]
         )
 
-    def splits() -> tuple[list[tuple[str, int]], ...]:
+    def splits() -> tuple[list[Problem], list[Problem]]:
         return make_splits(num_train_examples, num_eval_examples, seed)
 
     return vf.SingleTurnEnv(

@@ -86,8 +86,8 @@ def test_alphabet_sort_examples_use_distinct_names_and_disjoint_splits() -> None
 
 def test_arithmetic_answers_are_exact() -> None:
     train, held_out = arithmetic.make_splits(300, 30, seed=0)
-    assert not {q for q, _ in train} & {q for q, _ in held_out}
-    for question, answer in train:
+    assert not {q for q, _, _ in train} & {q for q, _, _ in held_out}
+    for question, answer, working in train:
         numbers = [int(n) for n in re.findall(r"\d+", question)]
         if "more" in question:
             assert answer == numbers[0] + numbers[1]
@@ -95,8 +95,21 @@ def test_arithmetic_answers_are_exact() -> None:
             assert answer == numbers[0] - numbers[1]
         else:
             assert answer == numbers[0] * numbers[1]
+        assert [int(n) for n in re.findall(r"\d+", working)] == [*numbers, answer]
     assert arithmetic.exact_answer([{"role": "assistant", "content": "<answer>12</answer>"}], "12")
     assert not arithmetic.exact_answer([{"role": "assistant", "content": "12"}], "12")
+
+
+def test_arithmetic_sft_examples_are_worked_gold_answers_on_the_train_split() -> None:
+    rows = arithmetic.sft_examples(num_examples=400, seed=5)
+    train, held_out = arithmetic.make_splits(400, 512, seed=5)
+    assert [row["messages"][1]["content"] for row in rows] == [q for q, _, _ in train]
+    assert not {q for q, _, _ in train} & {q for q, _, _ in held_out}
+    for row, (_, answer, working) in zip(rows, train, strict=True):
+        system, _, reply = row["messages"]
+        assert system == {"role": "system", "content": arithmetic.SYSTEM_PROMPT}
+        assert reply["content"].startswith(working + "\n")
+        assert arithmetic.exact_answer([reply], str(answer)) == 1.0
 
 
 def test_reverse_text_oracle_scores_one(policy: Any, generator: Any) -> None:
