@@ -51,7 +51,7 @@ DEMO = Path(__file__).resolve().parents[3] / "configs/reverse_text/pipeline.toml
 
 def recipe(args: argparse.Namespace, workdir: Path) -> PrimeflowConfig:
     files = [item for path in args.config for item in ("@", str(path))]
-    return load_config(
+    config = load_config(
         [
             *files,
             "--storage.uri", f"file://{workdir}",
@@ -65,6 +65,9 @@ def recipe(args: argparse.Namespace, workdir: Path) -> PrimeflowConfig:
             *args.overrides,
         ]
     )  # fmt: skip
+    # Every kept policy is evaluated afterwards: evaluations during RL (the demo's eval.interval)
+    # would only hold reloads on primeflow's clock, which TRL's does not pay.
+    return with_overrides(config, {"eval.interval": None})
 
 
 def primeflow_clock(config: PrimeflowConfig) -> dict[int, float]:
@@ -94,6 +97,9 @@ def run_reference(
         f"--rollouts-per-example={orchestrator.rollouts_per_example}",
         f"--max-tokens={orchestrator.sampling.max_tokens}",
         f"--temperature={orchestrator.sampling.temperature}",
+        f"--scale-rewards={'group' if orchestrator.advantage.std_normalize else 'none'}",
+        *([] if orchestrator.truncated_reward is None
+          else [f"--truncated-reward={orchestrator.truncated_reward}"]),
         f"--seed={config.run.seed}", f"--output-dir={workdir / 'trl-out'}",
         f"--device={'cuda' if config.inference.device == 'cuda' else 'cpu'}",
         f"--save-every={args.eval_every}", f"--save-dir={saves}",

@@ -23,17 +23,35 @@ from typing import Any
 _ANSWER = re.compile(r"<reversed_text>(.*?)(?:</reversed_text>|$)", re.DOTALL)
 
 
+def similarity(text: str, target: str) -> float:
+    match = _ANSWER.search(text)
+    if match is None:
+        return 0.0
+    guess = match.group(1).strip()
+    return difflib.SequenceMatcher(None, guess, target, autojunk=False).ratio()
+
+
 def similarity_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
-    rewards = []
-    for completion, target in zip(completions, answer, strict=True):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        match = _ANSWER.search(text)
-        if match is None:
-            rewards.append(0.0)
-            continue
-        guess = match.group(1).strip()
-        rewards.append(difflib.SequenceMatcher(None, guess, target, autojunk=False).ratio())
-    return rewards
+    return [
+        similarity(c if isinstance(c, str) else c[-1]["content"], target)
+        for c, target in zip(completions, answer, strict=True)
+    ]
+
+
+def with_truncated_reward(max_tokens: int, eos_id: int, value: float) -> Any:
+    """The reward under primeflow's `orchestrator.truncated_reward`: a reply that used all
+    `max_tokens` without ending scores `value` (TRL passes each reply's ids up to its end)."""
+
+    def similarity_reward_truncated(
+        completions: list[Any], answer: list[str], completion_ids: list[list[int]], **_: Any
+    ) -> list[float]:
+        scores = similarity_reward(completions, answer)
+        return [
+            value if len(ids) >= max_tokens and ids[-1] != eos_id else score
+            for score, ids in zip(scores, completion_ids, strict=True)
+        ]
+
+    return similarity_reward_truncated
 
 
 def main(argv: list[str]) -> int:
@@ -49,6 +67,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear, then constant")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument(
+        "--scale-rewards",
+        choices=("none", "group"),
+        default="none",
+        help="group: advantages over the group's std (primeflow's std_normalize)",
+    )
+    parser.add_argument(
+        "--truncated-reward",
+        type=float,
+        default=None,
+        help="the reward of a reply that never ended (primeflow's truncated_reward)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--target", type=float, default=None)
@@ -90,7 +120,7 @@ def main(argv: list[str]) -> int:
         temperature=args.temperature,
         top_p=1.0,
         beta=0.0,  # no KL term, as primeflow's AIPO loss
-        scale_rewards="none",  # reward minus the group mean, as primeflow's default
+        scale_rewards=args.scale_rewards,  # as the recipe's orchestrator.advantage.std_normalize
         loss_type="dapo",  # token-level mean over the batch, as primeflow
         # Without --use-vllm TRL generates with transformers (on a CPU machine it must).
         use_vllm=args.use_vllm,
@@ -129,7 +159,13 @@ def main(argv: list[str]) -> int:
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[similarity_reward],
+        reward_funcs=[
+            similarity_reward
+            if args.truncated_reward is None
+            else with_truncated_reward(
+                args.max_tokens, tokenizer.eos_token_id, args.truncated_reward
+            )
+        ],
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
