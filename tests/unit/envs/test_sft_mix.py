@@ -16,11 +16,15 @@ def test_the_mix_alternates_equal_shares_each_drawn_as_alone() -> None:
     assert resolve_source("sft-mix") is sft_examples  # the name configs use
 
 
+SLOW_ENV = "tests.integration.orchestrator.slow_env"
+
+
 @pytest.mark.parametrize(
     ("envs", "error"),
     [
         (["reverse-text"], "two environments or more"),
-        (["reverse-text", "arithmetic"], "'arithmetic' makes no SFT data"),
+        # a multi-turn test environment with no sft_examples (arithmetic has them now)
+        (["reverse-text", SLOW_ENV], f"'{SLOW_ENV}' makes no SFT data"),
         (["reverse-text", "no-such-env"], "'no-such-env' not found"),
     ],
 )
