@@ -15,6 +15,7 @@ from typing import Any
 
 import verifiers as vf
 
+from engine.envs.chat import sft_conversation, single_turn_prompt
 from engine.envs.words import EVAL_RESERVE, EVAL_SEED, NAMES, distinct_draws
 
 SYSTEM_PROMPT = "Solve the problem. Put only the final number in <answer> tags."
@@ -83,23 +84,13 @@ def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[Problem]
     return [problems[q] for q in train_questions], [problems[q] for q in eval_questions]
 
 
-def prompt_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
-    """The chat prompt for `question`."""
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
-
-
 def sft_examples(
     num_examples: int, seed: int = 0, system_prompt: str = SYSTEM_PROMPT
 ) -> list[dict[str, Any]]:
     """Worked gold replies to train-split problems, for SFT warm-up."""
     train, _ = make_splits(num_examples, 0, seed)
     return [
-        {
-            "messages": [
-                *prompt_messages(problem[0], system_prompt),
-                {"role": "assistant", "content": format_answer(problem)},
-            ]
-        }
+        sft_conversation(single_turn_prompt(problem[0], system_prompt), format_answer(problem))
         for problem in train
     ]
 
@@ -124,7 +115,7 @@ def load_environment(
         # Rows carry their prompt already, so verifiers has no dataset `map` to run.
         return Dataset.from_list(
             [
-                {"prompt": prompt_messages(question, system_prompt), "answer": str(answer)}
+                {"prompt": single_turn_prompt(question, system_prompt), "answer": str(answer)}
                 for question, answer, _ in problems
             ]
         )

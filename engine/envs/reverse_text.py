@@ -16,6 +16,7 @@ from typing import Any
 
 import verifiers as vf
 
+from engine.envs.chat import sft_conversation, single_turn_prompt
 from engine.envs.words import EVAL_RESERVE, EVAL_SEED, distinct_draws, phrase
 
 SYSTEM_PROMPT = "Reverse the text character by character. Put your answer in <reversed_text> tags."
@@ -70,7 +71,7 @@ def reversed_similarity(completion: Any, answer: str, **_: Any) -> float:
 
 def prompt_messages(text: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
     """The chat prompt for `text`."""
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": text}]
+    return single_turn_prompt(text, system_prompt)
 
 
 def sft_examples(
@@ -83,12 +84,7 @@ def sft_examples(
     """Chat conversations with the gold answer, from the train split, for SFT warm-up."""
     texts, _ = make_splits(num_examples, 0, seed, min_words, max_words)
     return [
-        {
-            "messages": [
-                *prompt_messages(text, system_prompt),
-                {"role": "assistant", "content": format_answer(text)},
-            ]
-        }
+        sft_conversation(prompt_messages(text, system_prompt), format_answer(text))
         for text in texts
     ]
 
