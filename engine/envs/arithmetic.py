@@ -16,7 +16,7 @@ from typing import Any
 import verifiers as vf
 
 from engine.envs.chat import sft_conversation, single_turn_prompt
-from engine.envs.words import EVAL_RESERVE, EVAL_SEED, NAMES, distinct_draws
+from engine.envs.words import NAMES, disjoint_splits
 
 SYSTEM_PROMPT = "Solve the problem. Put only the final number in <answer> tags."
 ITEMS = ("apple", "book", "coin", "cup", "egg", "pen", "shell", "stamp")
@@ -71,17 +71,7 @@ def parse_answer(reply: str) -> int | None:
 
 def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[Problem], list[Problem]]:
     """Disjoint (train, eval) problems: `seed` draws train; eval is the same for every seed."""
-    problems: dict[str, Problem] = {}
-
-    def draw(rng: random.Random) -> str:
-        problem = draw_problem(rng)
-        problems[problem[0]] = problem
-        return problem[0]
-
-    reserved = distinct_draws(max(num_eval, EVAL_RESERVE), random.Random(EVAL_SEED), draw)
-    eval_questions = reserved[:num_eval]
-    train_questions = distinct_draws(num_train, random.Random(seed), draw, exclude=reserved)
-    return [problems[q] for q in train_questions], [problems[q] for q in eval_questions]
+    return disjoint_splits(num_train, num_eval, seed, draw_problem, key=lambda problem: problem[0])
 
 
 def sft_examples(

@@ -1,9 +1,16 @@
-"""The chat rows of the built-in single-turn environments: one system turn and one user turn as
-the prompt, and that prompt with its gold reply as an SFT conversation, spelt once for all."""
+"""The chat rows of the built-in environments: a single-turn prompt, SFT conversations, and the
+tool-call messages of a demonstration, spelt once for all so that what SFT trains on renders
+exactly as RL's rollouts do."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
+
+from verifiers.utils.tool_utils import convert_func_to_tool_def
+
+from engine.envs.client import native_tool
 
 
 def single_turn_prompt(user: str, system_prompt: str) -> list[dict[str, str]]:
@@ -11,6 +18,34 @@ def single_turn_prompt(user: str, system_prompt: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
 
 
-def sft_conversation(prompt: list[dict[str, str]], reply: str) -> dict[str, Any]:
-    """An SFT row (`sft_examples`' shape): `prompt` answered by its gold `reply`."""
-    return {"messages": [*prompt, {"role": "assistant", "content": reply}]}
+def sft_conversation(
+    prompt: list[dict[str, Any]], reply: str, tools: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """An SFT row (`sft_examples`' shape): `prompt` answered by its gold `reply`, with the tool
+    schemas its template renders (`tool_schemas`) where the environment has tools."""
+    row: dict[str, Any] = {"messages": [*prompt, {"role": "assistant", "content": reply}]}
+    if tools:
+        row["tools"] = tools
+    return row
+
+
+def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
+    """The `tools` a chat template renders for these functions: what a `vf.ToolEnv` over them
+    sends on every turn, so an SFT row's prompt is the rollouts' prompt to the character."""
+    return [native_tool(convert_func_to_tool_def(tool)) for tool in tools]
+
+
+def tool_call(call_id: str, name: str, **arguments: Any) -> dict[str, Any]:
+    """A demonstration's assistant turn that calls tool `name` and says nothing else; its
+    arguments are JSON as the client writes a parsed call's (`engine.envs.client`)."""
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+    }
+
+
+def tool_result(call_id: str, content: str) -> dict[str, str]:
+    """The tool's reply to call `call_id` in a demonstration."""
+    return {"role": "tool", "tool_call_id": call_id, "content": content}

@@ -1,6 +1,7 @@
 """Environments by id: the built-ins, classic verifiers packages, and verifiers v1 tasksets.
 
-An id names a built-in (`reverse-text`, `alphabet-sort`, `arithmetic`) or an installed module
+An id names a built-in (`reverse-text`, `alphabet-sort`, `arithmetic`, and the agentic
+`tool-math`, `corpus-search`, `wordle`) or an installed module
 (`my-env` imports `my_env`; dotted module paths work too). A module with `load_environment` is a
 classic verifiers environment, called with the configured args; a module exporting a v1
 `Taskset` (also looked up among verifiers' own `verifiers.v1.tasksets`) is a taskset whose
@@ -20,6 +21,9 @@ BUILTIN_ENVS: dict[str, str] = {
     "reverse-text": "engine.envs.reverse_text",
     "alphabet-sort": "engine.envs.alphabet_sort",
     "arithmetic": "engine.envs.arithmetic",
+    "tool-math": "engine.envs.tool_math",
+    "corpus-search": "engine.envs.corpus_search",
+    "wordle": "engine.envs.wordle",
 }
 _V1_TASKSETS = "verifiers.v1.tasksets"
 

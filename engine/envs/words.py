@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
 _WORDS_TEXT = (
     "able acid aged also area army away baby back ball band bank base bath bear beat bell belt "
@@ -79,3 +80,27 @@ def phrase(rng: random.Random, min_words: int, max_words: int) -> str:
 #: a held-out example of any eval size up to the reserve.
 EVAL_SEED = 2_024_0607
 EVAL_RESERVE = 2048
+
+
+T = TypeVar("T")
+
+
+def disjoint_splits(
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    draw: Callable[[random.Random], T],
+    key: Callable[[T], str],
+) -> tuple[list[T], list[T]]:
+    """(train, eval) examples from `draw`, distinct by `key`: eval from `EVAL_SEED` (the same
+    for every seed), train from `seed`, never one of the reserved eval draws."""
+    drawn: dict[str, T] = {}
+
+    def draw_key(rng: random.Random) -> str:
+        example = draw(rng)
+        drawn[key(example)] = example
+        return key(example)
+
+    reserved = distinct_draws(max(num_eval, EVAL_RESERVE), random.Random(EVAL_SEED), draw_key)
+    train = distinct_draws(num_train, random.Random(seed), draw_key, exclude=reserved)
+    return [drawn[k] for k in train], [drawn[k] for k in reserved[:num_eval]]

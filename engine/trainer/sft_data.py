@@ -1,9 +1,12 @@
 """SFT data: chat rows → token ids with a loss mask on assistant tokens only.
 
 Rows are `{"messages": [{"role", "content"}, ...]}` or `{"prompt", "completion"}` (each a string
-or a list of messages). They come from JSONL, Parquet or Arrow files (local paths or object-store
-URIs), from a Hugging Face dataset by name (where the `datasets` package and a hub are
-available), or from an environment that generates them.
+or a list of messages), with an optional `tools` list of function schemas (OpenAI's format) that
+the chat template renders as RL's tool environments render it, so a tool-calling demonstration
+is trained on the prompt the policy will see. Assistant turns may carry `tool_calls`, and `tool`
+messages the results (masked, as environment text is in RL). They come from JSONL, Parquet or
+Arrow files (local paths or object-store URIs), from a Hugging Face dataset by name (where the
+`datasets` package and a hub are available), or from an environment that generates them.
 
 **Environment sources.** An SFT source is any `Iterable[dict]` of rows as above. `data.env`
 names one: `"package.module:function"`, or a built-in id such as `reverse-text`, which resolves
@@ -37,7 +40,7 @@ from engine.config.sft import SftDataConfig
 from engine.trainer.packing import Sample, truncate
 from storage.store import ObjectStore
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
 SftSource = Callable[..., Iterable[Mapping[str, Any]]]
 
 
@@ -67,18 +70,28 @@ def to_messages(row: Mapping[str, Any], where: str) -> list[Message]:
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], gen: bool
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    gen: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
 ) -> list[int]:
     if not messages:
         return []
     ids = tokenizer.apply_chat_template(
-        list(messages), tokenize=True, add_generation_prompt=gen, return_dict=False
+        list(messages),
+        tools=list(tools) if tools else None,
+        tokenize=True,
+        add_generation_prompt=gen,
+        return_dict=False,
     )
     return list(ids)
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], where: str
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    where: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and a mask true exactly on assistant tokens."""
     ids: list[int] = []
@@ -86,8 +99,8 @@ def tokenize_conversation(
     for index, message in enumerate(messages):
         is_assistant = message.get("role") == "assistant"
         # For an assistant turn, its role header (the generation prompt) is prompt, not target.
-        before = _render(tokenizer, messages[:index], gen=is_assistant)
-        after = _render(tokenizer, messages[: index + 1], gen=False)
+        before = _render(tokenizer, messages[:index], gen=is_assistant, tools=tools)
+        after = _render(tokenizer, messages[: index + 1], gen=False, tools=tools)
         if before[: len(ids)] != ids or after[: len(before)] != before:
             raise SftDataError(
                 f"{where}: the chat template renders turn {index} so that earlier tokens "
@@ -107,7 +120,10 @@ def to_sample(
     allow_truncation: bool,
 ) -> Sample:
     """One SFT row → a `Sample` (advantage 1, temperature 1: the loss is plain NLL)."""
-    ids, mask = tokenize_conversation(tokenizer, to_messages(row, where), where)
+    tools = row.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise SftDataError(f"{where}: `tools` must be a list of function schemas")
+    ids, mask = tokenize_conversation(tokenizer, to_messages(row, where), where, tools)
     if len(ids) > seq_len and not allow_truncation:
         raise SftDataError(
             f"{where}: {len(ids)} tokens exceed seq_len={seq_len}; raise seq_len or set "

@@ -18,6 +18,7 @@ from engine.trainer.sft_data import (
     load_sft_dataset,
     read_rows,
     to_messages,
+    to_sample,
     tokenize_conversation,
 )
 
@@ -43,6 +44,29 @@ def test_loss_mask_covers_assistant_turns_only(tokenizer) -> None:
     assert trained == "yo!<|im_end|>\nab<|im_end|>\n"
     prompt = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
     assert "assistant\n" in prompt and "yo!" not in prompt
+
+
+def test_a_tool_row_renders_its_schemas_and_trains_the_calls_not_the_results(tokenizer) -> None:
+    schema = {"type": "function", "function": {"name": "calc", "description": "adds"}}
+    call = {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "1 + 1?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c0", "content": "2"},
+            {"role": "assistant", "content": "<answer>2</answer>"},
+        ],
+        "tools": [schema],
+    }
+    sample = to_sample(tokenizer, row, "row 0", seq_len=4096, allow_truncation=False)
+    ids, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
+    assert '"name": "calc"' in tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    assert tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
+        '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+        "<answer>2</answer><|im_end|>\n"
+    )
+    with pytest.raises(SftDataError, match="row 1: `tools` must be a list"):
+        to_sample(tokenizer, {**row, "tools": "calc"}, "row 1", 4096, allow_truncation=False)
 
 
 def test_prompt_completion_rows_become_a_user_and_an_assistant_turn() -> None:

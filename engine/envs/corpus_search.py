@@ -1,0 +1,215 @@
+"""corpus-search: questions answered from a small local corpus through search and read tools,
+in the style of wiki-search, with no network.
+
+The corpus is generated: one page per town, titled `Town (region)`, each saying which river
+the town lies on, who its mayor is and what it is known for. A question names the town and
+asks one fact. `search(query)` ranks the pages by how many of the query's words they hold
+(a local inverted index) and returns the best titles; `read(title)` returns a page, by its
+exact title, so the model must search before it can read, then answer in `<answer>` tags.
+The reward is 1 for the exact fact. The corpus is shared, the towns are split: eval asks
+about towns train never asks about. SFT rows (`sft_examples`) are whole tool conversations:
+search, read, answer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import verifiers as vf
+
+from engine.envs.chat import single_turn_prompt, tool_call, tool_result, tool_schemas
+from engine.envs.words import EVAL_SEED, NAMES, WORDS
+
+SYSTEM_PROMPT = "Search the pages, read one, then give the answer in <answer> tags."
+REGIONS = ("north", "south", "east", "west", "coast", "hills")
+_STARTS = (
+    "Am", "Bel", "Cor", "Dun", "El", "Fen", "Gar", "Hol",
+    "Kel", "Lor", "Mar", "Nor", "Pen", "Ros", "Tal", "Wen",
+)  # fmt: skip
+_ENDS = ("brook", "by", "ford", "ham", "ley", "mere", "ston", "wick", "dale", "combe")
+#: Titles `search` returns at most.
+TOP_K = 3
+_WORD = re.compile(r"[a-z]+")
+_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Page:
+    town: str
+    region: str
+    river: str
+    mayor: str
+    known_for: str
+
+    @property
+    def title(self) -> str:
+        return f"{self.town} ({self.region})"
+
+    @property
+    def text(self) -> str:
+        return (
+            f"{self.town} lies on the {self.river} river. Its mayor is {self.mayor}. "
+            f"It is known for its {self.known_for}."
+        )
+
+
+#: A question asks one field of a page: (template, field).
+QUESTIONS = (
+    ("Which river does {town} lie on?", "river"),
+    ("Who is the mayor of {town}?", "mayor"),
+    ("What is {town} known for?", "known_for"),
+)
+
+
+@cache
+def corpus() -> tuple[Page, ...]:
+    """Every town of the name parts once, with facts drawn from a fixed seed."""
+    rng = random.Random(7)
+    return tuple(
+        Page(
+            town=start + end,
+            region=rng.choice(REGIONS),
+            river=rng.choice(WORDS),
+            mayor=rng.choice(NAMES),
+            known_for=rng.choice(WORDS),
+        )
+        for start in _STARTS
+        for end in _ENDS
+    )
+
+
+@cache
+def _index() -> dict[str, set[int]]:
+    """Word → the pages (by position in `corpus()`) whose title or text holds it."""
+    index: dict[str, set[int]] = defaultdict(set)
+    for position, page in enumerate(corpus()):
+        for word in _WORD.findall(f"{page.title} {page.text}".lower()):
+            index[word].add(position)
+    return dict(index)
+
+
+def search(query: str) -> str:
+    """Find pages by words: returns the best matching page titles.
+
+    Args:
+        query: words to look for, e.g. "Ambrook"
+    """
+    hits: dict[int, int] = defaultdict(int)
+    for word in set(_WORD.findall(query.lower())):
+        for position in _index().get(word, ()):
+            hits[position] += 1
+    if not hits:
+        return "no pages found"
+    best = sorted(hits, key=lambda position: (-hits[position], position))[:TOP_K]
+    return "\n".join(corpus()[position].title for position in best)
+
+
+def read(title: str) -> str:
+    """Read a page by its exact title.
+
+    Args:
+        title: a title that search returned
+    """
+    for page in corpus():
+        if page.title == title.strip():
+            return page.text
+    return f"no page titled {title!r}"
+
+
+#: A question: its text, the page it is about, and the answer.
+Question = tuple[str, Page, str]
+
+
+#: Every `HELD_OUT`-th town of the corpus is asked about only in the eval split.
+HELD_OUT = 4
+
+
+def questions(pages: list[Page]) -> list[Question]:
+    return [
+        (template.format(town=page.town), page, getattr(page, field))
+        for page in pages
+        for template, field in QUESTIONS
+    ]
+
+
+def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[Question], list[Question]]:
+    """(train, eval) questions about disjoint towns, so eval tests the search-and-read skill
+    and not what training saw of a page. `seed` orders train; eval is the same for every seed.
+    """
+    pages = corpus()
+    train = questions([p for i, p in enumerate(pages) if i % HELD_OUT])
+    held_out = questions([p for i, p in enumerate(pages) if not i % HELD_OUT])
+    if num_train > len(train) or num_eval > len(held_out):
+        raise ValueError(
+            f"corpus-search has {len(train)} train and {len(held_out)} held-out questions "
+            f"(asked for {num_train} and {num_eval})"
+        )
+    random.Random(seed).shuffle(train)
+    random.Random(EVAL_SEED).shuffle(held_out)
+    return train[:num_train], held_out[:num_eval]
+
+
+def exact_fact(completion: Any, answer: str, **_: Any) -> float:
+    """Reward: 1 when the last reply's tagged answer is the fact, ignoring case."""
+    replies = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    found = _ANSWER.findall(replies[-1]) if replies else []
+    return float(bool(found) and found[-1].strip().lower() == answer.lower())
+
+
+def sft_examples(
+    num_examples: int, seed: int = 0, system_prompt: str = SYSTEM_PROMPT
+) -> list[dict[str, Any]]:
+    """Gold tool conversations on train-split questions: search the town, read its page,
+    answer."""
+    train, _ = make_splits(num_examples, 0, seed)
+    tools = tool_schemas([search, read])
+    return [
+        {
+            "messages": [
+                *single_turn_prompt(question, system_prompt),
+                tool_call("call_0", "search", query=page.town),
+                tool_result("call_0", search(page.town)),
+                tool_call("call_1", "read", title=page.title),
+                tool_result("call_1", read(page.title)),
+                {"role": "assistant", "content": f"<answer>{answer}</answer>"},
+            ],
+            "tools": tools,
+        }
+        for question, page, answer in train
+    ]
+
+
+def load_environment(
+    num_train_examples: int = 360,
+    num_eval_examples: int = 120,
+    seed: int = 0,
+    max_turns: int = 4,
+    system_prompt: str = SYSTEM_PROMPT,
+) -> vf.Environment:
+    """A verifiers tool environment over the local corpus, with `search` and `read`."""
+    from datasets import Dataset
+
+    def rows(questions: list[Question]) -> Dataset:
+        return Dataset.from_list(
+            [
+                {"prompt": single_turn_prompt(question, system_prompt), "answer": answer}
+                for question, _, answer in questions
+            ]
+        )
+
+    def splits() -> tuple[list[Question], list[Question]]:
+        return make_splits(num_train_examples, num_eval_examples, seed)
+
+    return vf.ToolEnv(
+        tools=[search, read],
+        dataset=lambda: rows(splits()[0]),
+        eval_dataset=lambda: rows(splits()[1]),
+        rubric=vf.Rubric(funcs=[exact_fact]),
+        max_turns=max_turns,
+        pass_threshold=1.0,
+    )
