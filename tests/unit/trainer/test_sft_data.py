@@ -60,7 +60,8 @@ def test_a_tool_row_renders_its_schemas_and_trains_the_calls_not_the_results(tok
     }
     sample = to_sample(tokenizer, row, "row 0", seq_len=4096, allow_truncation=False)
     ids, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
-    assert '"name": "calc"' in tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    prompt = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    assert '"name": "calc"' in prompt and "<tool_response>\n2\n" in prompt
     assert tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
         '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
         "<answer>2</answer><|im_end|>\n"
