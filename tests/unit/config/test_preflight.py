@@ -26,7 +26,8 @@ def test_each_missing_piece_is_named_by_its_key(tmp_path: Path) -> None:
         f"model.name: model path {tmp_path / 'empty-model'} has no config.json",
         "eval.envs[1].id: environment 'not-installed-env' not found: no module "
         "'not_installed_env' is installed. Use a built-in (reverse-text, alphabet-sort, "
-        "arithmetic) or install the environment package into this venv",
+        "arithmetic, tool-math, corpus-search, wordle) or install the environment package into "
+        "this venv",
         f"sft.data.path = {tmp_path / 'conversations.jsonl'}: no such file",
     ]
     # SFT's data matters only to commands that run SFT; a hub dataset name is not a path.
