@@ -78,11 +78,13 @@ def _load(env: EnvConfig) -> Environment | str:
         return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _chat_tokenizer(config: PrimeflowConfig) -> ChatTokenizer | None:
-    """The policy's tokenizer, when it loads here (else the fit of prompts is not checked)."""
+def _chat_tokenizer(config: PrimeflowConfig, *, local_only: bool) -> ChatTokenizer | None:
+    """The policy's tokenizer, when it loads here (else the fit of prompts is not checked).
+    `local_only`: a hub model only from the local cache, never a lookup (on a machine that
+    cannot reach the hub, the lookup's retries took 46 s of a dry run)."""
     try:
-        name = config.orchestrator.model or config.model.name
-        return ChatTokenizer(AutoTokenizer.from_pretrained(resolve_model(name)))
+        name = resolve_model(config.orchestrator.model or config.model.name)
+        return ChatTokenizer(AutoTokenizer.from_pretrained(name, local_files_only=local_only))
     except (OSError, ValueError):
         return None
 
@@ -128,11 +130,13 @@ def _fit_problem(use: _Use, env: Environment, tokenizer: ChatTokenizer, seq_len:
     )
 
 
-def _environment_problems(config: PrimeflowConfig, samples: set[str]) -> list[str]:
+def _environment_problems(
+    config: PrimeflowConfig, samples: set[str], *, local_only: bool
+) -> list[str]:
     """Environments not installed or failing to load; those of the sections in `samples`
     ("orchestrator", "eval") whose prompts leave no room to sample."""
     problems = []
-    tokenizer = _chat_tokenizer(config) if samples else None
+    tokenizer = _chat_tokenizer(config, local_only=local_only) if samples else None
     seq_len = config.orchestrator.seq_len
     for use in _uses(config):
         if not any(_installed(module) for module in module_candidates(use.env.id)):
@@ -164,22 +168,23 @@ def _sft_data_problem(config: PrimeflowConfig) -> str | None:
 
 
 def preflight(
-    config: PrimeflowConfig, stages: Collection[str] = STAGES, *, pools: bool = True
+    config: PrimeflowConfig, stages: Collection[str] = STAGES, *, dry_run: bool = False
 ) -> list[str]:
     """What is wrong with `config` on this machine, one line each (empty: nothing found).
     `stages`: what the command runs, of `STAGES`: SFT's data is checked only when it runs SFT
     (and `sft.enabled`), the training environments' prompts must fit when it runs RL, the
-    evaluation environments' when it evaluates (RL does with `eval.interval`). `pools`: check
-    the shared pools an RL tenant names (running, and training its base and adapter shape);
-    a dry run, which starts nothing, leaves them out."""
+    evaluation environments' when it evaluates (RL does with `eval.interval`). An RL tenant's
+    shared pools must be running and train its base and adapter shape. A `dry_run` starts
+    nothing and fetches nothing: it leaves the shared pools out, and checks the fit of prompts
+    only with a tokenizer that is on this machine already."""
     problems = [p for p in [_model_problem(config.model.name)] if p]
     samples = set()
     if "rl" in stages:
         samples.add("orchestrator")
     if "eval" in stages or ("rl" in stages and config.eval.interval is not None):
         samples.add("eval")
-    problems += _environment_problems(config, samples)
-    if pools and "rl" in stages and config.pools.name is not None:
+    problems += _environment_problems(config, samples, local_only=dry_run)
+    if not dry_run and "rl" in stages and config.pools.name is not None:
         problems += [p for p in [_tenant_problem(config, config.pools.name)] if p]
     if "sft" in stages and config.sft.enabled:
         problems += [p for p in [_sft_data_problem(config)] if p]

@@ -190,8 +190,8 @@ COMMAND_STAGES = {"pipeline": STAGES, "sft": ("sft",), "rl": ("rl",), "eval": ("
 
 def check_machine(config: PrimeflowConfig, stages: Collection[str], *, dry_run: bool) -> None:
     """`ConfigError` (one line) for what this machine lacks for `stages`: found before any pool
-    starts (a dry run does not need the shared pools it names to be up)."""
-    problems = preflight(config, stages, pools=not dry_run)
+    starts (a dry run needs neither the shared pools it names up nor the model hub)."""
+    problems = preflight(config, stages, dry_run=dry_run)
     if problems:
         raise ConfigError("; ".join(problems))
 
