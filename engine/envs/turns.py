@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config.orchestrator import SamplingConfig
+from engine.envs.coalescing import CoalescingSampler
 from engine.envs.sampler import Sampler
 
 ChatMessage = Mapping[str, Any]
@@ -120,7 +121,8 @@ class TurnGenerator:
     """Runs one model turn against a `Sampler`, keeping every sequence within the context."""
 
     def __init__(self, sampler: Sampler, tokenizer: ChatTokenizer, max_seq_len: int):
-        self.sampler = sampler
+        # A group's rollouts ask for their first turn together: one request for all of them.
+        self.sampler = CoalescingSampler(sampler)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
 
