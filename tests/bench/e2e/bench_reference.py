@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import PrimeflowConfig, load_config, with_overrides
+from engine.envs.reverse_text import SYSTEM_PROMPT
 from engine.inference.checkpoints import local_checkpoint
 from engine.inference.pool import InferencePool
 from engine.models.tiny import default_cache_dir
@@ -84,7 +85,9 @@ def run_reference(
     """TRL on the recipe: its clock per step and the folders of its kept policies."""
     orchestrator = config.orchestrator
     data = workdir / "prompts.jsonl"
-    write_prompts(data, 10_000, config.run.seed)
+    (env,) = orchestrator.envs  # the recipe: one reverse-text environment
+    system_prompt = env.args.get("system_prompt", SYSTEM_PROMPT)
+    write_prompts(data, 10_000, config.run.seed, system_prompt)
     saves = workdir / "trl-policies"
     command = [
         args.trl_python, str(HERE / "trl_grpo.py"),

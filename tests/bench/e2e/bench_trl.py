@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from engine.envs.reverse_text import make_splits, prompt_messages
+from engine.envs.reverse_text import SYSTEM_PROMPT, make_splits, prompt_messages
 from engine.inference.checkpoints import local_checkpoint
 from engine.inference.pool import InferencePool
 from engine.models.tiny import default_cache_dir
@@ -38,11 +38,12 @@ from tests.bench.e2e.bench_async import _moving, base_config, emit, run_variant
 HERE = Path(__file__).resolve().parent
 
 
-def write_prompts(path: Path, num: int, seed: int) -> None:
+def write_prompts(path: Path, num: int, seed: int, system_prompt: str = SYSTEM_PROMPT) -> None:
+    """The train split's prompts, as the recipe's reverse-text environment renders them."""
     train, _ = make_splits(num, 0, seed)
     with path.open("w", encoding="utf-8") as out:
         for text in train:
-            row = {"prompt": prompt_messages(text), "answer": text[::-1]}
+            row = {"prompt": prompt_messages(text, system_prompt), "answer": text[::-1]}
             out.write(json.dumps(row) + "\n")
 
 
