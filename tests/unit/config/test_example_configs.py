@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from engine.config import PrimeflowConfig, load_config
 from engine.envs import alphabet_sort
-from engine.envs.reverse_text import make_splits, prompt_messages, sft_examples
+from engine.envs.reverse_text import SYSTEM_PROMPT, make_splits, prompt_messages, sft_examples
 from engine.models.char_tokenizer import write_tokenizer
 from engine.models.tiny import TinyModelSpec, write_tiny_model
 from flows.cli import main
@@ -83,11 +83,18 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _prompt_len(tokenizer, text: str) -> int:
+def _prompt_len(tokenizer, text: str, system_prompt: str) -> int:
     ids = tokenizer.apply_chat_template(
-        prompt_messages(text), tokenize=True, add_generation_prompt=True, return_dict=False
+        prompt_messages(text, system_prompt),
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
     )
     return len(ids)
+
+
+def _system_prompt(args: dict) -> str:
+    return args.get("system_prompt", SYSTEM_PROMPT)
 
 
 @pytest.mark.parametrize(
@@ -104,12 +111,15 @@ def test_reverse_text_samples_fit_the_context(files: tuple[str, ...], tiny_token
     config = load(*files)
     assert not config.trainer.truncate
     train, held_out = make_splits(2000, config.eval.num_examples, seed=config.run.seed)
-    longest_prompt = max(_prompt_len(tiny_tokenizer, text) for text in train + held_out)
-    for sampling in (config.orchestrator.sampling, config.eval.sampling):
-        assert longest_prompt + sampling.max_tokens <= config.seq_len
+    for section, texts in ((config.orchestrator, train), (config.eval, held_out)):
+        (env,) = section.envs
+        prompt = _system_prompt(env.args)
+        longest_prompt = max(_prompt_len(tiny_tokenizer, text, prompt) for text in texts)
+        assert longest_prompt + section.sampling.max_tokens <= config.seq_len
+    sft_prompt = _system_prompt(config.sft.data.env_args)
     longest_sft = max(
         len(tiny_tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
-        for row in sft_examples(2000, seed=config.run.seed)
+        for row in sft_examples(2000, seed=config.run.seed, system_prompt=sft_prompt)
     )
     assert longest_sft <= config.seq_len
     if files != ("reverse_text/pipeline.toml",):
@@ -135,6 +145,14 @@ def test_reverse_text_demo_measures_what_the_issue_asks() -> None:
     # One micro-batch per SFT step: the batch's rows fit micro_batch_tokens.
     assert config.trainer.micro_batch_tokens is not None
     assert config.trainer.micro_batch_tokens >= config.sft.batch_size * config.seq_len
+    # SFT, RL and evaluation pose the same task: one system prompt for all three.
+    prompts = {_system_prompt(config.sft.data.env_args)}
+    prompts |= {_system_prompt(env.args) for env in (*config.orchestrator.envs, *config.eval.envs)}
+    assert len(prompts) == 1
+    # SFT ends on a decayed learning rate (a constant one left greedy at 0.70, not 0.885), and a
+    # reply that never ends scores 0 (the end-of-turn drift, docs/algorithms.md).
+    assert config.sft.scheduler.type == "cosine"
+    assert config.orchestrator.truncated_reward == 0.0
 
 
 def test_gpu_demo_is_the_cpu_task_on_one_gpu_with_room_left_for_rl() -> None:
@@ -143,12 +161,14 @@ def test_gpu_demo_is_the_cpu_task_on_one_gpu_with_room_left_for_rl() -> None:
     assert config.inference.device == "cuda" and config.trainer.dtype == "bfloat16"
     assert config.inference.gpu_ids == config.trainer.parallel.gpu_ids == [0]
     assert config.trainer.cpu_cores is None and config.inference.cpu_cores == []
-    # The same task, batch, sampling and evaluation as the CPU demo.
-    same = {"exclude": {"model", "max_steps", "advantage", "truncated_reward"}}
+    # The same task, batch, sampling and evaluation as the CPU demo; the CPU demo's prompt is
+    # shorter (every prompt token costs its trainer on 2 cores), so its context is too.
+    same = {"exclude": {"model", "seq_len", "max_steps", "advantage", "truncated_reward", "envs"}}
     for section in ("orchestrator", "eval"):
         gpu_side, cpu_side = getattr(config, section), getattr(cpu, section)
         assert gpu_side.model_dump(**same) == cpu_side.model_dump(**same), section
-    assert config.seq_len == cpu.seq_len and config.sft.data.env == cpu.sft.data.env
+        assert [e.id for e in gpu_side.envs] == [e.id for e in cpu_side.envs], section
+    assert config.sft.data.env == cpu.sft.data.env
     # The bigger model learns the task from 20,000 demonstrations outright (greedy 1.000 after
     # SFT): the GPU demo's SFT sees few, so that RL has something to add (docs/benchmarks.md).
     assert config.sft.data.num_examples <= 256 < cpu.sft.data.num_examples
