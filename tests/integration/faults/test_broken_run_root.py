@@ -37,7 +37,7 @@ from tests.integration.faults.helpers import (
     run_rl_stage,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slow_suite]
 
 MAX_STEPS = 6
 

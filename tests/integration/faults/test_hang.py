@@ -31,7 +31,7 @@ from tests.integration.faults.helpers import (
     run_rl_stage,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slow_suite]
 
 MAX_STEPS = 5
 STOP_AFTER = 2  # trainer steps done before its rank is stopped

@@ -34,7 +34,7 @@ from tests.integration.faults.helpers import (
 )
 from tests.integration.vllm import Weights, pool_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slow_suite]
 
 MAX_STEPS = 4
 

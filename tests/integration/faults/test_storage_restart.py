@@ -30,7 +30,7 @@ from tests.integration.faults.helpers import (
 from tests.integration.servers import RestartableMotoServer, S3Endpoint
 from tests.integration.storage.test_transient import restartable  # noqa: F401  (fixture)
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slow_suite]
 
 MAX_STEPS = 4
 OUTAGE_S = 2.0

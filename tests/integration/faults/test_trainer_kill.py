@@ -30,7 +30,7 @@ from tests.integration.faults.helpers import (
     run_rl_stage,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.slow_suite]
 
 MAX_STEPS = 4
 KILL_AT = 2  # killed after rollouts/step_2 is committed, before checkpoints/step_2 is

@@ -1,0 +1,31 @@
+"""Plumbing every test folder shares: which tests must share a pytest-xdist worker.
+
+`make test` runs on two pytest-xdist workers with `--dist loadgroup`. A session server (vLLM,
+Prefect) starts once per worker that needs it, so every test using one is put in that server's
+group and runs on one worker: each server still starts once per run, and the other worker takes
+the tests that need none. The other integration and end-to-end tests are grouped by module, so
+a module-scoped fixture (a run, a server of the module's own) is built once; unit tests go to
+whichever worker is free.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: The fixture that starts a session server → the group of the tests that use it (the first
+#: match wins: a test needing both servers joins the vLLM group, whose worker starts Prefect).
+SERVER_GROUPS = (("pool", "vllm"), ("lora_pool", "vllm"), ("prefect_api", "prefect"))
+#: Folders whose tests are kept together by module.
+BY_MODULE = ("tests/integration/", "tests/e2e/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        group = next((name for fixture, name in SERVER_GROUPS if fixture in fixtures), None)
+        module = item.nodeid.split("::", 1)[0]
+        if group is None and module.startswith(BY_MODULE):
+            group = module
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
