@@ -19,14 +19,10 @@ from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
 from engine.config.run import StorageConfig
 from engine.inference.adapters import AdapterLineage
-from engine.inference.checkpoints import (
-    forget_fetched,
-    local_checkpoint,
-    version_chain,
-)
 from engine.inference.control import ReloadError, control_client, named_version
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
+from engine.local_checkpoints import forget_fetched, local_checkpoint, version_chain
 from engine.models.tiny import default_cache_dir
 from engine.tenancy import PoolRecord
 from storage.checkpoints import is_adapter

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from engine.inference.checkpoints import checkpoint_step
+from engine.local_checkpoints import checkpoint_step
 
 
 class ReloadError(RuntimeError):

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from engine.config import PrimeflowConfig
 from engine.config.trainer import OptimizerConfig, SchedulerConfig, TrainerConfig
-from engine.inference.checkpoints import local_checkpoint
+from engine.local_checkpoints import local_checkpoint
 from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
 from engine.placement import bind_to_cores

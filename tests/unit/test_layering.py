@@ -48,6 +48,7 @@ def test_the_tree_keeps_every_contract(copy: Path) -> None:
         ("storage/planted.py", "import engine.config\n", ["storage imports", "flows above"]),
         ("engine/planted.py", "import tasks.stages\n", ["never import Prefect", "flows above"]),
         ("flows/planted.py", "import flows.cli\n", ["no import cycles"]),
+        ("engine/trainer/planted.py", "import engine.inference.pool\n", ["pools never import"]),
     ],
 )
 def test_a_planted_violation_fails_the_check(
@@ -67,7 +68,7 @@ def test_a_planted_violation_fails_the_check(
             cli.write_text(original)
     assert result.returncode != 0
     found = verdicts(result.stdout)
-    assert len(found) == 4, result.stdout
+    assert len(found) == 5, result.stdout
     broken = [name for name, status in found if status == "BROKEN"]
     assert broken == [name for name, _ in found if any(c in name for c in contracts)], broken
 

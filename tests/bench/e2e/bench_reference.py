@@ -36,8 +36,8 @@ from typing import Any
 
 from engine.config import PrimeflowConfig, load_config, with_overrides
 from engine.envs.reverse_text import SYSTEM_PROMPT
-from engine.inference.checkpoints import local_checkpoint
 from engine.inference.pool import InferencePool
+from engine.local_checkpoints import local_checkpoint
 from engine.models.tiny import default_cache_dir
 from engine.orchestrator.main import evaluate_policy
 from engine.run import local_run_dir, run_store

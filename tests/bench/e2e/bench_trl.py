@@ -30,8 +30,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from engine.envs.reverse_text import SYSTEM_PROMPT, make_splits, prompt_messages
-from engine.inference.checkpoints import local_checkpoint
 from engine.inference.pool import InferencePool
+from engine.local_checkpoints import local_checkpoint
 from engine.models.tiny import default_cache_dir
 from tests.bench.e2e.bench_async import _moving, base_config, emit, run_variant
 

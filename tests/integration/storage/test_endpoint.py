@@ -15,7 +15,7 @@ import torch
 
 from engine.config import PrimeflowConfig, with_overrides
 from engine.config.run import StorageConfig
-from engine.inference.checkpoints import local_checkpoint, version_chain
+from engine.local_checkpoints import local_checkpoint, version_chain
 from engine.run import open_run, store_at
 from flows.reproduce import main as reproduce
 from storage.checkpoints import load_checkpoint_weights, write_checkpoint

@@ -12,13 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.inference.checkpoints import (
-    CheckpointError,
-    check_compatible,
-    checkpoint_step,
-    local_checkpoint,
-)
+from engine.inference.checkpoints import check_compatible
 from engine.inference.reload_ext import read_signature, signature_mismatch
+from engine.local_checkpoints import CheckpointError, checkpoint_step, local_checkpoint
 from engine.models.tiny import TinyModelSpec, write_tiny_model
 from storage.checkpoints import write_checkpoint
 from storage.commit import commit_step

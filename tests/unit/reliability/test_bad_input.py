@@ -29,7 +29,7 @@ from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.config.plugin import CustomPluginConfig
 from engine.config.sft import SftDataConfig
 from engine.envs import Rollout, Turn, load_environment
-from engine.inference.checkpoints import CheckpointError, local_checkpoint
+from engine.local_checkpoints import CheckpointError, local_checkpoint
 from engine.models.char_tokenizer import write_tokenizer
 from engine.models.resolve import ModelPathError, resolve_model
 from engine.orchestrator.advantages import group_relative
