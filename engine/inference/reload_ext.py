@@ -26,7 +26,8 @@ Loaded by every vLLM worker through `--worker-extension-cls`, and called over th
    version it was encoded against (by uid), never onto another lineage's version of that step.
 
 This module runs inside vLLM's worker processes: it may import vLLM and primeflow's storage
-formats (`storage.deltas`: torch, numpy and pyarrow), nothing else of primeflow's.
+formats (`storage.deltas`: torch, numpy and pyarrow; `storage.commit`'s marker), nothing else
+of primeflow's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from storage.commit import MARKER
 from storage.deltas import (
     Part,
     apply_entries,
@@ -55,7 +57,6 @@ Signature = dict[str, tuple[int, ...]]
 
 _INDEX = "model.safetensors.index.json"
 _TIED_HEAD = "lm_head.weight"
-_MARKER = "_COMMITTED"
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -120,7 +121,7 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def commit_meta(folder: Path) -> dict[str, object]:
     """The `meta` of the folder's `_COMMITTED` marker; empty for a bare model folder."""
-    marker = folder / _MARKER
+    marker = folder / MARKER
     return dict(json.loads(marker.read_text()).get("meta") or {}) if marker.is_file() else {}
 
 
