@@ -19,6 +19,9 @@ reward against step (left) and against wall time (right) for both.
 
     python -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml \
         --sft-steps 100 --steps 300 --trl-python python3 --out reference.json
+    # on the GPU machine (no package index) TRL is carried as its wheel: `pip download
+    # trl==1.16.0 --no-deps` here, carry it, and after ../shared/gpu-vllm's install.sh:
+    #   pip install --no-index --no-deps --target /tmp/site trl-1.16.0-py3-none-any.whl
     # the instrument on a CPU machine (TRL in /tmp/trl-venv: pip install torch==2.13.0 trl):
     python -m tests.bench.e2e.bench_reference --sft-steps 20 --steps 4 --eval-every 2 \
         --trl-python /tmp/trl-venv/bin/python -- --eval.num-examples 8
