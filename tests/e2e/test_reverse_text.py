@@ -53,7 +53,7 @@ PRIMEFLOW = str(Path(sys.executable).with_name("primeflow"))
 
 @dataclass(frozen=True)
 class Recipe:
-    """A run of the main job and what its learning must show (thresholds: see `RECIPES`)."""
+    """A run of the main job and what its learning must show (thresholds: `SHORT`, `WHOLE`)."""
 
     name: str
     files: tuple[Path, ...]
