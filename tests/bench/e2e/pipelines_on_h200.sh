@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Several pipelines at once on one H200: `primeflow pipeline ARGS` for each NAME ARGS pair, under
+# one MPS server, against one Prefect server, each with the memory settings lowered so that the
+# pools fit beside each other (a run's wall time, beside the others, bounds its time alone). Each
+# run's log is WORK/NAME.log; its printed table and wall time end up in WORK/pipelines.txt. Run
+# it through across_calls.sh (call again until it prints `ended`), e.g. the agentic examples:
+#   bash tests/bench/e2e/across_calls.sh /tmp/a bash tests/bench/e2e/pipelines_on_h200.sh /tmp/a \
+#     tool-math "@ configs/agentic/tool_math.toml @ configs/agentic/on_gpu.toml" \
+#     wordle "@ configs/agentic/wordle.toml @ configs/agentic/on_gpu.toml"
+set -uo pipefail
+WORK=$1
+shift
+export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps CUDA_MPS_LOG_DIRECTORY=$WORK/mps PRIMEFLOW_HOME=$WORK/home
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$PRIMEFLOW_HOME"
+nvidia-cuda-mps-control -d
+trap 'echo quit | nvidia-cuda-mps-control; python3 -m flows.cli server stop' EXIT
+python3 -m flows.cli server start
+while [ $# -ge 2 ]; do
+  name=$1 args=$2
+  shift 2
+  (
+    began=$(date +%s)
+    # shellcheck disable=SC2086 # ARGS is a list of words
+    python3 -m flows.cli pipeline $args --run.name "$name" --storage.uri "file://$WORK/runs" \
+      --inference.gpu-memory-utilization 0.1 --inference.kv-cache-gb 4 > "$WORK/$name.log" 2>&1
+    code=$?
+    {
+      echo "== $name: rc $code, wall $(($(date +%s) - began)) s"
+      grep -A4 '^ *policy ' "$WORK/$name.log"
+    } >> "$WORK/pipelines.txt"
+  ) &
+  sleep 30 # the servers start one after another, so each sizes its memory alone
+done
+wait
+cat "$WORK/pipelines.txt"
