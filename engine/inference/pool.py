@@ -474,7 +474,7 @@ class InferencePool:
                 loaded = time.monotonic() - loading
                 _confirm_version(results, version)
                 _reset_kv_cache(http)
-                endpoint.policy_version = version
+                endpoint.serve(version, commit_meta(folders[-1]))
             finally:
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")

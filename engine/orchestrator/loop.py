@@ -420,6 +420,7 @@ class Orchestrator:
         return {
             "step": step,
             "policy_version": sample.policy_version,
+            "policy_lineage": sample.policy_lineage,
             "env": sample.env,
             "example_id": sample.example_id,
             "group_id": sample.group_id,

@@ -177,7 +177,9 @@ class PolicyPublisher:
 
     `lineage` is the resume checkpoint's step the trainer started from (0: a fresh start),
     recorded in every version's commit meta so an audit can tell a version written before a
-    resume from one written after it. Every version also gets a random `uid`, and a delta
+    resume from one written after it; `lineage_id`, drawn when the trainer starts, tells two
+    trainers apart that resumed from the same checkpoint, and servers stamp every sample with
+    it (the shards' `policy_lineage`). Every version also gets a random `uid`, and a delta
     names its base's (`storage.policies`), so no reader applies it to another lineage.
     """
 
@@ -202,6 +204,7 @@ class PolicyPublisher:
         self.config = config
         self.files = dict(files)
         self.lineage = lineage
+        self.lineage_id = shared_uid(dist_info)
         self.dtype = serving_dtype(policy.config)
         self._writes = BackgroundWrite("a policy version")
         # Laid out once: naming the parameters costs more than the snapshot itself.
@@ -293,6 +296,7 @@ class PolicyPublisher:
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "lineage": self.lineage,
+            "lineage_id": self.lineage_id,
             "uid": uid,
             "full_every": self.config.full_every,
         }

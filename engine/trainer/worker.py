@@ -456,6 +456,7 @@ def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
     forgotten = publisher.start(resumed_at)
     if forgotten:
         log.info("deleted policy versions %s of the previous lineage", forgotten)
+    log.info("policy lineage %s starts at version %d", publisher.lineage_id, resumed_at)
     return publisher
 
 
