@@ -32,6 +32,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be served: missing, uncommitted, corrupt, or for another model."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A committed step, or a step of a policy version's chain, that does not verify: a file
+    altered or missing since its commit, a marker gone, a delta whose base was deleted.
+    Reading it again cannot help; the policy version concerned must be written again."""
+
+
 def checkpoint_step(location: str) -> int | None:
     """The step in a `.../step_000042` location, or None."""
     return RunLayout.parse_step(location.rstrip("/").rsplit("/", 1)[-1])
@@ -68,9 +74,9 @@ def version_chain(
     try:
         versions = chain(_store(root, storage), split[2], held_uid=held_uid)
     except NotCommittedError as exc:
-        raise CheckpointError(f"policy version {location} is not committed") from exc
+        raise DamagedCheckpointError(f"policy version {location} is not committed") from exc
     except ValueError as exc:
-        raise CheckpointError(f"cannot rebuild {location}: {exc}") from exc
+        raise DamagedCheckpointError(f"cannot rebuild {location}: {exc}") from exc
     return [f"{root}/{RunLayout.policy_dir(version.step)}" for version in versions]
 
 
@@ -103,7 +109,10 @@ def _fetch(uri: str, cache_dir: Path, storage: StorageConfig | None) -> Path:
     root, parent, step = split
     target = fetched_dir(cache_dir) / hashlib.sha256(uri.encode()).hexdigest()[:16]
     target.parent.mkdir(parents=True, exist_ok=True)
-    return fetch_checkpoint(_store(root, storage), step, target, parent=parent)
+    try:
+        return fetch_checkpoint(_store(root, storage), step, target, parent=parent)
+    except (CorruptObjectError, NotCommittedError) as exc:
+        raise DamagedCheckpointError(f"checkpoint {uri} is damaged: {exc}") from exc
 
 
 def local_checkpoint(
@@ -120,9 +129,9 @@ def local_checkpoint(
         raise CheckpointError(f"checkpoint {location} does not exist")
     if location.startswith("file://"):
         if not (folder / MARKER).is_file():
-            raise CheckpointError(f"checkpoint {location} is not committed (no {MARKER})")
+            raise DamagedCheckpointError(f"checkpoint {location} is not committed (no {MARKER})")
         try:
             verify_local_checkpoint(folder)
         except CorruptObjectError as exc:
-            raise CheckpointError(f"checkpoint {location} is damaged: {exc}") from None
+            raise DamagedCheckpointError(f"checkpoint {location} is damaged: {exc}") from None
     return folder

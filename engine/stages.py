@@ -38,6 +38,7 @@ from storage.evals import committed_summary
 from storage.layout import RunLayout, Stage
 from storage.metrics import latest_metric_step
 from storage.paths import join
+from storage.policies import forget_after
 from storage.store import ObjectStore
 
 log = logging.getLogger("primeflow.stages")
@@ -271,8 +272,21 @@ def run_rl(
     orchestrator would otherwise wait forever for the policy the async bound needs. A tenant
     of shared pools (`pools.name`) trains on the shared trainer instead of a pool of its own
     (`_SharedTrainer`), and `pool` is its view of the shared inference pool.
+
+    Policy versions past the newest resume checkpoint are deleted before either starts: a
+    dead trainer published them, the resumed one trains those steps again, and an
+    orchestrator that loaded one (or failed on one it cannot rebuild) in the half minute a
+    trainer takes to start would serve another lineage, or fail the retry the same way.
     """
     started = time.perf_counter()
+    resumes_at = latest_committed_step(run.store, RunLayout.CHECKPOINTS) or 0
+    if cleared := forget_after(run.store, resumes_at):
+        logger.info(
+            "rl: deleted policy versions %s, published past checkpoint %d by a trainer that "
+            "did not checkpoint them",
+            cleared,
+            resumes_at,
+        )
     failure: list[BaseException] = []
     stop = threading.Event()
 

@@ -10,6 +10,11 @@ not.
 
 Several trainer ranks write one version (`storage.parts`): each writes its own files and
 part; rank 0 waits for every part, then commits them all in one marker.
+
+A committed version can still turn out unusable: a file altered after its commit, or a delta
+whose base was deleted. A reader that finds one discards it (`discard_version`), and the
+trainer, which finds its newest version gone (`is_published`), publishes it again in full;
+versions past a resume checkpoint belong to a dead trainer and are cleared (`forget_after`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,15 @@ def chain(store: ObjectStore, step: int, *, held_uid: str | None = None) -> list
     return versions[::-1]
 
 
+def _needs(store: ObjectStore, step: int) -> set[int]:
+    """The versions version `step` is rebuilt from; only itself when its chain is broken (a
+    base deleted meanwhile: a reader discards it, so it keeps nothing else alive)."""
+    try:
+        return {version.step for version in chain(store, step)}
+    except (ValueError, NotCommittedError):
+        return {step}
+
+
 def prune_policies(
     store: ObjectStore, *, keep_last: int | None, keep_every: int | None = None
 ) -> list[int]:
@@ -118,11 +132,51 @@ def prune_policies(
     # Newest first: a chain runs back through the older kept versions, so theirs are known.
     for step in sorted(set(steps) - set(doomed), reverse=True):
         if step not in needed:
-            needed.update(version.step for version in chain(store, step))
+            needed.update(_needs(store, step))
     deleted = [step for step in doomed if step not in needed]
     for step in deleted:
         delete_step(store, RunLayout.policy_dir(step))
     return deleted
+
+
+def forget_after(store: ObjectStore, step: int) -> list[int]:
+    """Delete the committed versions newer than `step` (marker first); returns them.
+
+    A trainer resumed from checkpoint `step` trains the steps after it again: the versions a
+    dead trainer published past it are another lineage, which no server may load once the
+    resumed stage starts.
+    """
+    newer = [s for s in committed_steps(store, RunLayout.POLICIES) if s > step]
+    for stale in newer:
+        delete_step(store, RunLayout.policy_dir(stale))
+    return newer
+
+
+def committed_version(store: ObjectStore, step: int) -> VersionInfo | None:
+    """Version `step`'s kind, uid and base; None when it is not committed (any more)."""
+    try:
+        return version_info(store, step)
+    except NotCommittedError:
+        return None
+
+
+def is_published(store: ObjectStore, step: int, uid: str | None) -> bool:
+    """Whether version `step` is committed as the write named `uid`."""
+    version = committed_version(store, step)
+    return version is not None and version.uid == uid
+
+
+def discard_version(store: ObjectStore, step: int, uid: str | None) -> bool:
+    """Delete version `step` if it is still the write named `uid`; whether it was deleted.
+
+    A reader calls it on a version whose files or chain do not verify: nobody can load it,
+    and its writer (the trainer) notices it gone and publishes it again in full. The uid
+    check spares a version published again under the same step meanwhile.
+    """
+    if not is_published(store, step, uid):
+        return False
+    delete_step(store, RunLayout.policy_dir(step))
+    return True
 
 
 def write_delta_file(

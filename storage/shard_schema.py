@@ -25,6 +25,7 @@ ROLLOUT_SCHEMA = pa.schema(
     [
         pa.field("step", pa.int64(), nullable=False),
         pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("policy_lineage", pa.string(), nullable=False),
         pa.field("env", pa.string(), nullable=False),
         pa.field("example_id", pa.int64(), nullable=False),
         pa.field("group_id", pa.int64(), nullable=False),
@@ -48,6 +49,9 @@ PER_TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs", "token_versions")
 #: Columns added after shards were first written: a shard without them reads as rows that are
 #: each a whole rollout of their own, every sampled token from the row's `policy_version`.
 ADDED_COLUMNS = ("rollout_id", "row_index", "rollout_rows", "token_versions")
+#: Columns added later still, and what a shard written before them reads as: `policy_lineage`
+#: unknown ('').
+DEFAULTED_COLUMNS = {"policy_lineage": ""}
 FINITE_COLUMNS = ("reward", "advantage")
 ROWS_URI = "<rows>"
 _CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError)
@@ -99,6 +103,9 @@ def conform_table(table: pa.Table, uri: str) -> pa.Table:
         legacy = {}
     else:
         legacy = _legacy_columns(table)
+    for name, value in DEFAULTED_COLUMNS.items():
+        if name not in names:
+            legacy[name] = pa.array([value] * table.num_rows, ROLLOUT_SCHEMA.field(name).type)
     for field in ROLLOUT_SCHEMA:
         if field.name not in names and field.name not in legacy:
             raise InvalidRolloutError(uri, "is missing", column=field.name)

@@ -68,7 +68,10 @@ def inference_pool(config: PrimeflowConfig, run: Run) -> Iterator[PoolOnDemand]:
     if config.pools.name is not None:
         pools = PoolOnDemand(lambda: attach_inference_pool(config))
     else:
-        pools = PoolOnDemand(lambda: start_inference_pool(config, run.logs))
+        pools = PoolOnDemand(
+            lambda: start_inference_pool(config, run.logs),
+            stop=lambda dead: stop_inference_pool(dead, run.logs),
+        )
     try:
         yield pools
     finally:

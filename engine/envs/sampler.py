@@ -42,6 +42,11 @@ class Sample(Protocol):
         """The oldest policy version (checkpoint step) that produced any of its tokens."""
         ...
 
+    @property
+    def policy_lineage(self) -> str:
+        """The lineage id of `policy_version` ('' when unknown): which trainer published it."""
+        ...
+
 
 class Sampler(Protocol):
     """An async client over the inference pool (`engine.inference.client.InferenceClient`)."""

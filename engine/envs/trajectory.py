@@ -34,6 +34,8 @@ class TokenSequence:
     #: The policy version that sampled each token (a turn's weights; weights can change
     #: between turns of a long rollout), -1 on prompt and environment tokens; [] when unknown.
     token_versions: list[int] = field(default_factory=list)
+    #: The lineage id of `policy_version` (its turn's; '' when unknown).
+    policy_lineage: str = ""
 
     @property
     def completion_len(self) -> int:
@@ -81,15 +83,17 @@ def _sequence(turns: list[Turn]) -> TokenSequence:
         loss_mask.extend([True] * len(turn.completion_ids))
         logprobs.extend(turn.logprobs)
         versions.extend([turn.policy_version] * len(turn.completion_ids))
+    oldest = min(turns, key=lambda turn: turn.policy_version)
     return TokenSequence(
         token_ids=token_ids,
         loss_mask=loss_mask,
         logprobs=logprobs,
         prompt_len=len(turns[0].prompt_ids),
-        policy_version=min(turn.policy_version for turn in turns),
+        policy_version=oldest.policy_version,
         num_turns=len(turns),
         is_truncated=turns[-1].is_truncated,
         token_versions=versions,
+        policy_lineage=oldest.policy_lineage,
     )
 
 

@@ -49,6 +49,8 @@ class Turn:
     #: The messages the prompt was rendered from, and the template's rendering of them.
     prompt_messages: tuple[ChatMessage, ...] = ()
     prompt_text: str = ""
+    #: The lineage id of `policy_version` ('' when unknown).
+    policy_lineage: str = ""
 
     @property
     def is_truncated(self) -> bool:
@@ -173,4 +175,5 @@ class TurnGenerator:
             text=sample.text,
             prompt_messages=tuple(dict(message) for message in messages),
             prompt_text=rendered,
+            policy_lineage=str(sample.policy_lineage),
         )

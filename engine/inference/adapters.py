@@ -76,14 +76,15 @@ class AdapterLineage:
         is stamped with a version newer than its weights. A failed load unloads the new name
         where it was loaded and raises `ReloadError`, the servers on their previous one.
         """
-        uid = commit_meta(folder).get("uid") or hashlib.sha256(bytes(folder.resolve())).hexdigest()
+        meta = commit_meta(folder)
+        uid = meta.get("uid") or hashlib.sha256(bytes(folder.resolve())).hexdigest()
         name = self.name(version, str(uid))
         clients = self._control()
         try:
             self._load(clients, location, name, folder)
             for endpoint in self.endpoints:
                 endpoint.model = name
-                endpoint.policy_version = version
+                endpoint.serve(version, meta)
             self.loaded.append((name, folder))
             self.held_uid = str(uid)
             if self.verify:

@@ -19,7 +19,7 @@ from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
 from engine.config.run import StorageConfig
 from engine.inference.adapters import AdapterLineage
-from engine.inference.control import ReloadError, control_client, named_version
+from engine.inference.control import ReloadError, control_client, named_version, unloadable
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from engine.local_checkpoints import forget_fetched, local_checkpoint, version_chain
@@ -97,7 +97,7 @@ class AttachedPool:
                     return version
                 folder = local_checkpoint(entries[-1], self.cache_dir, self.storage)
             except (OSError, ValueError) as exc:
-                raise ReloadError(f"cannot reload {location}: {exc}") from exc
+                raise unloadable(location, exc) from exc
             if not is_adapter(folder):
                 raise ReloadError(
                     f"{location} holds whole weights: a shared pool serves its base model and "

@@ -50,6 +50,7 @@ class Sample:
     finish_reason: str
     policy_version: int
     server: int  # the pool's index of the server that sampled it
+    policy_lineage: str = ""  # the `lineage_id` of `policy_version` (`Endpoint`)
 
     @property
     def is_truncated(self) -> bool:
@@ -199,7 +200,7 @@ class InferenceClient:
 
     async def _send(self, index: int, body: dict[str, Any]) -> list[Sample]:
         endpoint = self.endpoints[index]
-        version = endpoint.policy_version
+        version, lineage = endpoint.policy_version, endpoint.policy_lineage
         self._busy[index] += 1
         try:
             response = await self._http.post(
@@ -218,7 +219,7 @@ class InferenceClient:
                 status=response.status_code,
                 transient=response.status_code in TRANSIENT_STATUS,
             )
-        return _samples(body["prompt"], response.json(), version, endpoint.index)
+        return _samples(body["prompt"], response.json(), version, lineage, endpoint.index)
 
 
 def _request_body(prompt_ids: list[int], sampling: SamplingConfig, n: int) -> dict[str, Any]:
@@ -235,7 +236,7 @@ def _request_body(prompt_ids: list[int], sampling: SamplingConfig, n: int) -> di
 
 
 def _samples(
-    prompt_ids: list[int], payload: dict[str, Any], version: int, server: int
+    prompt_ids: list[int], payload: dict[str, Any], version: int, lineage: str, server: int
 ) -> list[Sample]:
     samples = []
     for choice in sorted(payload["choices"], key=lambda c: c["index"]):
@@ -254,6 +255,7 @@ def _samples(
                 finish_reason=choice.get("finish_reason") or "length",
                 policy_version=version,
                 server=server,
+                policy_lineage=lineage,
             )
         )
     return samples

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from engine.local_checkpoints import checkpoint_step
+from engine.local_checkpoints import DamagedCheckpointError, checkpoint_step
 
 
 class ReloadError(RuntimeError):
@@ -16,9 +16,21 @@ class ServerDiedError(ReloadError):
     so one is not retried against it."""
 
 
+class BrokenVersionError(ReloadError):
+    """The policy version's files or delta chain do not verify (`DamagedCheckpointError`):
+    no server was touched, and no reload of it can succeed until it is written again."""
+
+
 class ServedWeightsMismatchError(RuntimeError):
     """A verified reload found served parameters that differ from the checkpoint: a bug, and
     never retried (see `InferenceConfig.verify_reloads`)."""
+
+
+def unloadable(location: str, exc: OSError | ValueError) -> ReloadError:
+    """What a reload raises when `location`'s folders could not be made ready (fetched,
+    verified, checked against the served model): `BrokenVersionError` when they are damaged."""
+    kind = BrokenVersionError if isinstance(exc, DamagedCheckpointError) else ReloadError
+    return kind(f"cannot reload {location}: {exc}")
 
 
 def named_version(location: str, version: int | None) -> int:

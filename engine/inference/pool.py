@@ -34,6 +34,7 @@ from engine.inference.control import (
     control_client,
     expect_ok,
     named_version,
+    unloadable,
 )
 from engine.inference.diagnose import failure_cause
 from engine.inference.endpoint import Endpoint
@@ -320,7 +321,8 @@ class InferencePool:
         its full version). `version` defaults to the step in the `step_NNNNNN` name. Full
         folders are checked against the served model before any server is touched; if a
         server still fails, the servers that had switched are switched back, so the pool never
-        serves a mix. Raises `ReloadError` with the servers on their previous weights.
+        serves a mix. Raises `ReloadError` with the servers on their previous weights
+        (`BrokenVersionError` when the version's files or chain do not verify).
         """
         if not self._servers:
             raise ReloadError("the pool is not running")
@@ -332,7 +334,7 @@ class InferencePool:
             try:
                 folders = self._local_chain(location, self._held_uid)
             except (OSError, ValueError) as exc:
-                raise ReloadError(f"cannot reload {location}: {exc}") from exc
+                raise unloadable(location, exc) from exc
             if not folders:  # the servers hold this very version already
                 return version
             fetched = time.monotonic() - started
@@ -472,7 +474,7 @@ class InferencePool:
                 loaded = time.monotonic() - loading
                 _confirm_version(results, version)
                 _reset_kv_cache(http)
-                endpoint.policy_version = version
+                endpoint.serve(version, commit_meta(folders[-1]))
             finally:
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")

@@ -27,7 +27,11 @@ from typing import Any, Protocol
 
 from engine.config.orchestrator import OrchestratorConfig
 from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task, TurnGenerator
-from engine.inference.control import ServedWeightsMismatchError, ServerDiedError
+from engine.inference.control import (
+    BrokenVersionError,
+    ServedWeightsMismatchError,
+    ServerDiedError,
+)
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
@@ -39,6 +43,7 @@ from engine.orchestrator.step_metrics import mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
+from storage.policies import committed_version, discard_version
 from storage.shards import write_rollouts
 from storage.store import ObjectStore
 
@@ -315,7 +320,10 @@ class Orchestrator:
         latest = await asyncio.to_thread(latest_committed_step, self.store, RunLayout.POLICIES)
         if latest is None or latest == self.server.policy_version:
             return
-        self._reload = asyncio.create_task(self._load_policy(latest))
+        version = await asyncio.to_thread(committed_version, self.store, latest)
+        if version is None:  # deleted since the listing: look again at the next poll
+            return
+        self._reload = asyncio.create_task(self._load_policy(latest, version.uid))
 
     def _end_evaluation(self) -> None:
         """Forget the finished evaluation; a failure is a warning, as any reporting's is (a
@@ -338,16 +346,34 @@ class Orchestrator:
         )
         return True
 
-    async def _load_policy(self, version: int) -> None:
-        """Load policy `version` into the pool; a failure is retried at the next poll, up to
-        `MAX_RELOAD_FAILURES` in a row, and a served-weights mismatch or a dead server stops
-        the run at once."""
+    async def _load_policy(self, version: int, uid: str | None) -> None:
+        """Load policy `version` (the write named `uid`) into the pool; a failure is retried
+        at the next poll, up to `MAX_RELOAD_FAILURES` in a row, and a served-weights mismatch
+        or a dead server stops the run at once.
+
+        A version whose files or chain do not verify is discarded instead: no reload of it
+        could succeed, and a run that stopped on it would fail the same way on every retry.
+        The pool goes on serving what it holds, the next poll takes the newest version left,
+        and the trainer, finding its newest version gone, publishes it again in full
+        (`engine.trainer.publish.PolicyPublisher.repair`).
+        """
         uri = self.store.url(RunLayout.policy_dir(version))
         started = time.monotonic()
         try:
             await asyncio.to_thread(self.server.reload, uri, version)
         except (ServedWeightsMismatchError, ServerDiedError):
             raise
+        except BrokenVersionError as exc:
+            discarded = await asyncio.to_thread(discard_version, self.store, version, uid)
+            logger.warning(
+                "policy version %d cannot be served, %s: %s; the pool keeps policy version %d",
+                version,
+                "discarded it for the trainer to publish again" if discarded else "replaced since",
+                exc,
+                self.server.policy_version,
+            )
+            self._last_poll = -math.inf
+            return
         except Exception as exc:
             self._reload_failures += 1
             logger.warning("reload of %s failed (%d): %s", uri, self._reload_failures, exc)
@@ -394,6 +420,7 @@ class Orchestrator:
         return {
             "step": step,
             "policy_version": sample.policy_version,
+            "policy_lineage": sample.policy_lineage,
             "env": sample.env,
             "example_id": sample.example_id,
             "group_id": sample.group_id,

@@ -50,6 +50,10 @@ class TrainSample:
         return self.sequence.policy_version
 
     @property
+    def policy_lineage(self) -> str:
+        return self.sequence.policy_lineage
+
+    @property
     def is_truncated(self) -> bool:
         return self.sequence.is_truncated
 

@@ -23,6 +23,7 @@ weights are bit-identical to the trainer's, which `inference.verify_reloads` che
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -30,7 +31,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from engine.config.trainer import PolicyConfig
 from engine.trainer.background import BackgroundWrite
 from engine.trainer.checkpoint import model_tensors, state_file
-from engine.trainer.distributed import DistInfo, agree_sums, shared_uid
+from engine.trainer.distributed import DistInfo, agree_sums, from_main, shared_uid
 from engine.trainer.host_copies import Fence, HostCopies
 from engine.trainer.lora import adapter_config, published
 from engine.trainer.model import PolicyModel
@@ -49,13 +49,7 @@ from storage.checkpoints import (
     write_checkpoint,
     write_tensor_file,
 )
-from storage.commit import (
-    FileDigest,
-    begin_step,
-    commit_step,
-    committed_steps,
-    delete_step,
-)
+from storage.commit import FileDigest, begin_step, commit_step, committed_steps
 from storage.deltas import (
     Part,
     changed_entries,
@@ -68,10 +62,16 @@ from storage.parts import gather_parts
 from storage.policies import (
     DELTA,
     FULL,
+    VersionInfo,
+    committed_version,
+    forget_after,
+    is_published,
     prune_policies,
     write_delta_file,
 )
 from storage.store import ObjectStore
+
+log = logging.getLogger("primeflow.trainer")
 
 
 def serving_dtype(config: Any) -> torch.dtype:
@@ -177,7 +177,9 @@ class PolicyPublisher:
 
     `lineage` is the resume checkpoint's step the trainer started from (0: a fresh start),
     recorded in every version's commit meta so an audit can tell a version written before a
-    resume from one written after it. Every version also gets a random `uid`, and a delta
+    resume from one written after it; `lineage_id`, drawn when the trainer starts, tells two
+    trainers apart that resumed from the same checkpoint, and servers stamp every sample with
+    it (the shards' `policy_lineage`). Every version also gets a random `uid`, and a delta
     names its base's (`storage.policies`), so no reader applies it to another lineage.
     """
 
@@ -202,11 +204,18 @@ class PolicyPublisher:
         self.config = config
         self.files = dict(files)
         self.lineage = lineage
+        self.lineage_id = shared_uid(dist_info)
         self.dtype = serving_dtype(policy.config)
         self._writes = BackgroundWrite("a policy version")
         # Laid out once: naming the parameters costs more than the snapshot itself.
         self._params = model_tensors(policy)
         self._sizes = {name: tensor.numel() for name, tensor in self._params}
+        #: (step, uid) of the newest version this trainer published or started from: what
+        #: its weights are between two steps, and the base of its next delta.
+        self.newest: tuple[int, str | None] | None = None
+        #: The owned rows of the newest version, in the serving dtype (None: the next
+        #: version is full).
+        self._previous: torch.Tensor | None = None
         if not self.publishes_deltas:
             return
         # What deltas and sharded full versions need: the owned rows in the serving dtype on
@@ -214,8 +223,6 @@ class PolicyPublisher:
         self._stream = OwnedStream(self._params, self.dtype, dist_info)
         self._staging = _Staging(dist_info.device.type == "cuda")
         self._owners = assign_owners(self._sizes, dist_info.world_size)
-        self._previous: torch.Tensor | None = None
-        self._previous_version: tuple[int, str] | None = None
         self._since_full = 0
 
     def publish(self, step: int) -> dict[str, float]:
@@ -251,16 +258,14 @@ class PolicyPublisher:
         )
         as_delta = not unencodable and self._delta_due() and raw < full
         if as_delta:
-            assert entries is not None and self._previous_version is not None
+            assert entries is not None and self.newest is not None
             packed = self._staging.copy(entries)
-            job = functools.partial(
-                self._write_delta, step, uid, self._previous_version, packed, local_count
-            )
+            job = functools.partial(self._write_delta, step, uid, self.newest, packed, local_count)
             self._since_full += 1
         else:
             job = self._full_job(step, uid)
             self._since_full = 0
-        self._previous, self._previous_version = current, (step, uid)
+        self._previous, self.newest = current, (step, uid)
         self._writes.start(f"publish-{step}", job)
         return {
             "publish_wait_seconds": waited,
@@ -291,6 +296,7 @@ class PolicyPublisher:
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "lineage": self.lineage,
+            "lineage_id": self.lineage_id,
             "uid": uid,
             "full_every": self.config.full_every,
         }
@@ -343,7 +349,7 @@ class PolicyPublisher:
         self,
         step: int,
         uid: str,
-        base: tuple[int, str],
+        base: tuple[int, str | None],
         packed: np.ndarray,
         count: int,
     ) -> None:
@@ -371,18 +377,58 @@ class PolicyPublisher:
             self.store, keep_last=self.config.keep_last, keep_every=self.config.keep_every
         )
 
-    def forget_after(self, step: int) -> list[int]:
-        """Delete committed versions newer than `step` (rank 0; collective): a resumed trainer's
-        lineage starts again at its checkpoint, and a server must never load a version of the
-        old one. The other ranks wait, so none lists the folder while it changes."""
+    def start(self, step: int) -> list[int]:
+        """Begin this trainer's lineage at version `step`, the checkpoint it resumed from (0:
+        the starting weights); collective. Returns the newer versions it deleted.
+
+        Those came from a trainer that died before checkpointing them: a server must never
+        load them once this one trains (the RL stage clears them before its orchestrator
+        starts too, `engine.stages.run_rl`; a trainer run alone relies on this). Version
+        `step` is published when it is not committed (retention, or a reader that found it
+        damaged, removed it), so the pool can always go back to where this lineage begins;
+        otherwise it is adopted as the newest version, and `repair` puts it back if a reader
+        discards it. Rank 0 reads and deletes; the others learn the outcome from it, so none
+        lists the folder while it changes.
+        """
         newer: list[int] = []
+        kept: VersionInfo | None = None
         if self.dist_info.is_main:
-            newer = [s for s in committed_steps(self.store, RunLayout.POLICIES) if s > step]
-            for stale in newer:
-                delete_step(self.store, RunLayout.policy_dir(stale))
-        if dist.is_initialized():
-            dist.barrier()
+            newer = forget_after(self.store, step)
+            if step in committed_steps(self.store, RunLayout.POLICIES):
+                kept = committed_version(self.store, step)
+        newer, kept = from_main((newer, kept), self.dist_info)
+        if kept is None:
+            self.publish(step)
+        else:
+            self.newest = (step, kept.uid)
         return newer
+
+    def repair(self) -> bool:
+        """Publish the newest version again, in full, if a reader discarded it (collective;
+        rank 0 looks); whether it did.
+
+        A server that cannot rebuild a version (a file altered after its commit, a delta
+        whose base was deleted) discards it (`storage.policies.discard_version`) and serves an
+        older one meanwhile; the next delta would name the discarded version as its base, and
+        an on-policy orchestrator would wait for it forever. Only the trainer holds those
+        weights: call this between steps, when they are still the newest version's.
+        """
+        gone = False
+        if self.dist_info.is_main and self.newest is not None:
+            self.flush()  # a version still being written is not gone
+            gone = not is_published(self.store, *self.newest)
+        if not agree_sums([int(gone)], self.dist_info)[0]:
+            return False
+        assert self.newest is not None
+        step = self.newest[0]
+        log.warning(
+            "policy version %d was discarded by a reader that could not rebuild it: "
+            "publishing it again in full",
+            step,
+        )
+        self._previous = None
+        self.publish(step)
+        return True
 
 
 class AdapterPublisher(PolicyPublisher):
@@ -414,6 +460,7 @@ class AdapterPublisher(PolicyPublisher):
             self._writes.start(
                 f"publish-{step}", functools.partial(self._write_full, step, uid, weights, fence)
             )
+        self.newest = (step, uid)
         return {
             "publish_wait_seconds": waited,
             "publish_snapshot_seconds": time.perf_counter() - started - waited,

@@ -12,10 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine.trainer.packing import Sample, truncate
-from storage.commit import wait_for_step
-from storage.errors import StepTimeoutError
 from storage.layout import RunLayout
-from storage.shards import read_rollouts
 from storage.store import ObjectStore
 
 
@@ -23,17 +20,13 @@ class RolloutDataError(ValueError):
     """A committed shard holds data the trainer cannot train on."""
 
 
-def wait_for_rollouts(store: ObjectStore, step: int, timeout_s: float, poll_s: float) -> pa.Table:
-    """Block until `rollouts/step_<step>` is committed, then read and verify it."""
-    try:
-        wait_for_step(store, RunLayout.ROLLOUTS, step, timeout_s=timeout_s, poll_s=poll_s)
-    except StepTimeoutError as exc:
-        raise TimeoutError(
-            f"trainer: no rollouts for step {step} at {store.url(RunLayout.rollouts_dir(step))} "
-            f"after {timeout_s:g}s (trainer.rollout_timeout_s); is the orchestrator running "
-            "and writing to the same run?"
-        ) from exc
-    return read_rollouts(store, step)
+def no_rollouts_error(store: ObjectStore, step: int, timeout_s: float) -> TimeoutError:
+    """What a trainer that waited `timeout_s` for step `step`'s rollouts in vain raises."""
+    return TimeoutError(
+        f"trainer: no rollouts for step {step} at {store.url(RunLayout.rollouts_dir(step))} "
+        f"after {timeout_s:g}s (trainer.rollout_timeout_s); is the orchestrator running "
+        "and writing to the same run?"
+    )
 
 
 def _flat(table: pa.Table, name: str, dtype: type) -> tuple[np.ndarray, np.ndarray]:

@@ -41,7 +41,12 @@ from engine.run import run_store as open_store
 from engine.run import stage_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
 from engine.trainer.checkpoint import CheckpointWriter, load_adapter, load_checkpoint
-from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
+from engine.trainer.distributed import (
+    DistInfo,
+    agree_sums,
+    close_distributed,
+    init_distributed,
+)
 from engine.trainer.lora import fresh_adapter, published
 from engine.trainer.loss import (
     LossFn,
@@ -61,20 +66,24 @@ from engine.trainer.model import (
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import PackedRows, Sample, pack_samples
 from engine.trainer.publish import AdapterPublisher, PolicyPublisher
-from engine.trainer.rollouts import samples_from_rollouts, wait_for_rollouts
+from engine.trainer.rollouts import no_rollouts_error, samples_from_rollouts
 from engine.trainer.schedule import build_scheduler
 from engine.trainer.sft_data import SftDataset, iter_batches, load_sft_dataset
 from engine.trainer.step import StepContext, eval_step, train_step
 from engine.trainer.supervision import watch_supervisor
 from engine.watchdog import register_stack_dump
 from storage.checkpoints import is_adapter, load_checkpoint_weights
-from storage.commit import committed_steps, delete_step
+from storage.commit import committed_steps, delete_step, is_committed
 from storage.errors import CorruptObjectError
 from storage.layout import RunLayout, Stage
 from storage.metrics import write_metrics
+from storage.shards import read_rollouts
 from storage.store import ObjectStore
 
 FIRST_STEP = 1
+#: How often a trainer waiting for rollouts looks whether a reader discarded its newest
+#: policy version (one marker read on rank 0).
+REPAIR_CHECK_S = 1.0
 log = logging.getLogger("primeflow.trainer")
 
 
@@ -369,13 +378,34 @@ def train_rl_steps(
     trainer: Trainer, publisher: PolicyPublisher, first: int, loss_fn: LossFn
 ) -> None:
     """Steps `first` .. max_steps: wait for the rollouts, train, publish, checkpoint when due."""
-    trainer_config = trainer.config.trainer
     for step in range(first, trainer.max_steps + 1):
         wait_start = time.perf_counter()
-        table = wait_for_rollouts(
-            trainer.store, step, trainer_config.rollout_timeout_s, trainer_config.poll_interval_s
-        )
+        table = await_rollouts(trainer, publisher, step)
         train_rl_step(trainer, publisher, loss_fn, step, table, time.perf_counter() - wait_start)
+
+
+def await_rollouts(trainer: Trainer, publisher: PolicyPublisher, step: int) -> pa.Table:
+    """Step `step`'s committed rollouts, read and verified once every rank sees them.
+
+    Meanwhile the newest policy version is published again if a reader discarded it
+    (`PolicyPublisher.repair`, every `REPAIR_CHECK_S`): the orchestrator may be waiting for
+    exactly that version. The ranks poll in lockstep (one small all-reduce a poll), so they
+    agree on when to repair, which is collective, and on when to go on.
+    """
+    config = trainer.config.trainer
+    deadline = time.monotonic() + config.rollout_timeout_s
+    repair_every = max(1, round(REPAIR_CHECK_S / config.poll_interval_s))
+    polls = 0
+    while True:
+        seen = is_committed(trainer.store, RunLayout.rollouts_dir(step))
+        if agree_sums([int(seen)], trainer.dist)[0] == trainer.dist.world_size:
+            return read_rollouts(trainer.store, step)
+        polls += 1
+        if polls % repair_every == 0:
+            publisher.repair()
+        if time.monotonic() > deadline:
+            raise no_rollouts_error(trainer.store, step, config.rollout_timeout_s)
+        time.sleep(config.poll_interval_s)
 
 
 def train_rl_step(
@@ -411,13 +441,8 @@ def train_rl_step(
 
 
 def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
-    """The run's publisher, its lineage starting at the policy the trainer resumed from.
-
-    Versions newer than the resume checkpoint (or than 0 on a fresh start) came from a trainer
-    that died before checkpointing them: they are deleted (their steps are trained again), and
-    version `resumed_at` itself is published when it is not there (version 0 is the starting
-    weights), so the pool can always go back to where this lineage begins.
-    """
+    """The run's publisher, its lineage starting at the policy the trainer resumed from
+    (`PolicyPublisher.start`: versions past it deleted, it published unless committed)."""
     publishing = PolicyPublisher if trainer.ctx.policy.lora is None else AdapterPublisher
     publisher = publishing(
         trainer.store,
@@ -428,11 +453,10 @@ def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
         files=trainer.assets,
         lineage=resumed_at,
     )
-    forgotten = publisher.forget_after(resumed_at)
+    forgotten = publisher.start(resumed_at)
     if forgotten:
         log.info("deleted policy versions %s of the previous lineage", forgotten)
-    if resumed_at not in committed_steps(trainer.store, RunLayout.POLICIES):
-        publisher.publish(resumed_at)
+    log.info("policy lineage %s starts at version %d", publisher.lineage_id, resumed_at)
     return publisher
 
 

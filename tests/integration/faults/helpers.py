@@ -45,14 +45,15 @@ def rollouts_at(store: ObjectStore) -> int:
 
 
 def run_rl_stage(
-    config: PrimeflowConfig, pool: InferencePool, name: str = "rl-under-fault"
+    config: PrimeflowConfig, pool: InferencePool | PoolOnDemand, name: str = "rl-under-fault"
 ) -> StageResult:
     """`rl_loop` as the pipeline runs it: a task (retries=1) of a flow run on a Prefect server,
-    on the session's running pool."""
+    on the session's running pool (or on the pools `pool` starts on demand)."""
+    pools = pool if isinstance(pool, PoolOnDemand) else PoolOnDemand(lambda: pool, pool)
 
     @flow(name=name, validate_parameters=False)
     def stage() -> StageResult:
-        return rl_loop(config, run_of(config), PoolOnDemand(lambda: pool, pool))
+        return rl_loop(config, run_of(config), pools)
 
     return stage()
 

@@ -3,7 +3,8 @@
 The server is one of its own (killing the session's shared server would break the tests after
 this one), started from the shared server's config. The run must stop on its own, quickly, with
 one line naming the server; what it committed stays as it was, and the same run started again
-on a live server carries on from there.
+on a live server carries on from there. Inside the RL stage, Prefect's retry starts the pool
+again before it samples, and the stage completes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 from engine.config import PrimeflowConfig
 from engine.envs import SamplerFailedError
 from engine.inference.control import ServerDiedError
+from engine.inference.on_demand import PoolOnDemand
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import run_store
@@ -31,6 +33,7 @@ from tests.integration.faults.helpers import (
     commit_times,
     poll_until,
     rollouts_at,
+    run_rl_stage,
 )
 from tests.integration.vllm import Weights, pool_config
 
@@ -114,4 +117,45 @@ def test_a_reload_on_a_dead_server_says_it_is_dead(
     assert "\n" not in message and "still serve" not in message, message
     assert "inference server 0 is not running" in message, message
     assert "SIGKILL" in message and str(server.log_path) in message, message
+    assert leftovers() == []
+
+
+@pytest.mark.timeout(600)
+def test_the_stage_retry_starts_a_killed_pool_again_and_completes(
+    weights: Weights, rl_config: Any, tmp_path: Path, prefect_api: str, leftovers: Any
+) -> None:
+    """`rl_loop` (trainer and orchestrator) on a pool of its own, started on demand as the
+    flows do; its server SIGKILLed once step 1 is committed. The stage fails; Prefect's retry
+    finds the pool dead, stops it and starts a new one (`PoolOnDemand.get`) instead of failing
+    against it, and completes: every step committed and trained once."""
+    config = rl_config(max_steps=MAX_STEPS)
+    store = run_store(config)
+    started: list[InferencePool] = []
+
+    def start() -> InferencePool:
+        fresh = InferencePool(pool_config(weights), log_dir=tmp_path / f"pool-{len(started)}")
+        started.append(fresh)
+        fresh.start()
+        return fresh
+
+    seen: dict[str, Any] = {}
+    killer = threading.Thread(
+        target=lambda: (
+            poll_until(lambda: started and started[0].endpoints)
+            and kill_servers_after(config, started[0], 1, seen)
+        )
+    )
+    killer.start()
+    try:
+        result = run_rl_stage(config, PoolOnDemand(start))
+    finally:
+        killer.join()
+        for pool in started:
+            pool.stop()
+
+    assert "at" in seen, "the server was never killed"
+    assert len(started) == 2  # the dead pool was replaced, once
+    assert result.checkpoint_step == MAX_STEPS
+    assert_every_step_committed_once(store, MAX_STEPS)
+    assert_unchanged(seen["rollouts"], commit_times(store, RunLayout.ROLLOUTS))
     assert leftovers() == []

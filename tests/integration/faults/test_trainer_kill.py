@@ -7,6 +7,7 @@ stage again, as in production.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -17,9 +18,11 @@ from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from engine.process_groups import recorded_groups
 from engine.run import logs_dir, run_store
-from storage.commit import latest_committed_step
+from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
+from storage.shards import read_rollouts
+from storage.store import ObjectStore
 from tests.integration.faults.helpers import (
     assert_every_step_committed_once,
     assert_unchanged,
@@ -65,6 +68,26 @@ def kill_trainer_mid_step(
         seen["rollouts"] = commit_times(store, RunLayout.ROLLOUTS)
 
 
+def assert_rows_name_their_lineage(store: ObjectStore, log: str) -> None:
+    """Each row carries the lineage of its version: the dead trainer's or the resumed one's
+    (as the trainer log names them when they start), '' only for the base model the server
+    started with; the resumed trainer's lineage only on versions it published (past K), and
+    the newest versions, all its own, name it in their markers."""
+    dead, resumed = re.findall(r"policy lineage (\w+) starts at version", log)
+    assert dead != resumed
+    rows = [
+        row for step in range(1, MAX_STEPS + 1) for row in read_rollouts(store, step).to_pylist()
+    ]
+    for row in rows:
+        allowed = {dead, resumed} if row["policy_version"] else {""}
+        assert row["policy_lineage"] in allowed, (row["step"], row["policy_version"])
+        if row["policy_lineage"] == resumed:
+            assert row["policy_version"] > KILL_AT - 1, row["step"]
+    assert resumed in {row["policy_lineage"] for row in rows}
+    newest = read_commit(store, RunLayout.policy_dir(MAX_STEPS))
+    assert newest.meta["lineage_id"] == resumed
+
+
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("victim", ["torchrun", "rank"])
 def test_trainer_killed_mid_step_resumes_and_commits_every_step_once(
@@ -91,6 +114,7 @@ def test_trainer_killed_mid_step_resumes_and_commits_every_step_once(
     assert f"resumed rl from {store.url(RunLayout.checkpoint_dir(KILL_AT - 1))}" in log
     # One trainer metric line per step (the repeated step's line replaced, not doubled).
     assert [line["step"] for line in read_metrics(store, "rl")] == list(range(1, MAX_STEPS + 1))
+    assert_rows_name_their_lineage(store, log)
     # Nothing of the first attempt is left: no orchestrator thread, no trainer process.
     assert not [t for t in threading.enumerate() if t.name == "orchestrator" and t.is_alive()]
     assert leftovers() == []

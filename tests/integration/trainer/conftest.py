@@ -63,6 +63,7 @@ def rollout_rows(step: int, num: int = 12, vocab: int = 101) -> list[dict[str, A
             {
                 "step": step,
                 "policy_version": step - 1,
+                "policy_lineage": "",
                 "env": "test",
                 "example_id": i // 4,
                 "group_id": i // 4,

@@ -35,6 +35,7 @@ class Completion:
     text: str
     finish_reason: str
     policy_version: int
+    policy_lineage: str = ""
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ScriptedPolicy:
     tokenizer: Any
     reply: Callable[[str], str]
     policy_version: int = 0
+    policy_lineage: str = ""
     stop_token: str = IM_END
     requests: list[tuple[list[int], SamplingConfig]] = field(default_factory=list)
 
@@ -63,7 +65,10 @@ class ScriptedPolicy:
             ids, finish = ids[: sampling.max_tokens], "length"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         logprobs = [-0.01 * (index + 1) for index in range(len(ids))]
-        return [Completion(ids, logprobs, text, finish, self.policy_version) for _ in range(n)]
+        return [
+            Completion(ids, logprobs, text, finish, self.policy_version, self.policy_lineage)
+            for _ in range(n)
+        ]
 
 
 @pytest.fixture

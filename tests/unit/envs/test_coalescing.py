@@ -27,6 +27,7 @@ class Labelled:
     text: str = "x"
     finish_reason: str = "stop"
     policy_version: int = 0
+    policy_lineage: str = ""
 
 
 @dataclass

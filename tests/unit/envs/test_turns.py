@@ -141,20 +141,23 @@ def test_a_failing_sampler_is_reported_as_such(generator: Any) -> None:
         conversation(generator(Down()), 1)
 
 
-def test_policy_version_of_a_sequence_is_its_oldest_turn(policy: Any, generator: Any) -> None:
+def test_policy_version_and_lineage_of_a_sequence_are_its_oldest_turns(
+    policy: Any, generator: Any
+) -> None:
     sampler = policy(lambda prompt: "hi")
     gen = generator(sampler)
 
     async def run() -> list[Turn]:
         messages = [{"role": "user", "content": "a"}]
-        sampler.policy_version = 5
+        sampler.policy_version, sampler.policy_lineage = 5, "dead"
         first = await gen.generate(messages, SAMPLING)
-        sampler.policy_version = 7
+        sampler.policy_version, sampler.policy_lineage = 7, "resumed"
         messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "b"}]
         return [first, await gen.generate(messages, SAMPLING, previous=first)]
 
     (sequence,) = assemble(asyncio.run(run()))
     assert sequence.policy_version == 5
+    assert sequence.policy_lineage == "dead"  # the oldest turn's, with its version
 
 
 def test_turns_with_misaligned_logprobs_are_rejected() -> None:

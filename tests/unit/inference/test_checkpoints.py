@@ -14,7 +14,13 @@ from safetensors.torch import load_file
 
 from engine.inference.checkpoints import check_compatible
 from engine.inference.reload_ext import read_signature, signature_mismatch
-from engine.local_checkpoints import CheckpointError, checkpoint_step, local_checkpoint
+from engine.local_checkpoints import (
+    CheckpointError,
+    DamagedCheckpointError,
+    checkpoint_step,
+    local_checkpoint,
+    version_chain,
+)
 from engine.models.tiny import TinyModelSpec, write_tiny_model
 from storage.checkpoints import write_checkpoint
 from storage.commit import commit_step
@@ -74,10 +80,10 @@ def test_a_damaged_file_uri_checkpoint_is_refused_naming_the_file(
     data = bytearray(weights.read_bytes())
     data[-4096:] = bytes(b ^ 0xFF for b in data[-4096:])
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"damaged.*model\.safetensors"):
+    with pytest.raises(DamagedCheckpointError, match=r"damaged.*model\.safetensors"):
         local_checkpoint(f"file://{folder}", tmp_path)
     (folder / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*missing"):
+    with pytest.raises(DamagedCheckpointError, match=r"model\.safetensors.*missing"):
         local_checkpoint(f"file://{folder}", tmp_path)
 
 
@@ -122,12 +128,33 @@ def test_remote_corruption_and_missing_commits_are_refused(
     store = ObjectStore(run)
     upload(store, models["tied"], "checkpoints/step_000001", step=1)
     store.write_bytes("checkpoints/step_000001/model.safetensors", b"tampered")
-    with pytest.raises(CorruptObjectError):
+    with pytest.raises(DamagedCheckpointError, match=r"model\.safetensors") as damaged:
         local_checkpoint(f"{run}/checkpoints/step_000001", tmp_path)
+    assert isinstance(damaged.value.__cause__, CorruptObjectError)
     store.upload_file(models["tied"] / "config.json", "checkpoints/step_000002/config.json")
-    with pytest.raises(NotCommittedError):
+    with pytest.raises(DamagedCheckpointError, match="no _COMMITTED marker") as damaged:
         local_checkpoint(f"{run}/checkpoints/step_000002", tmp_path)
+    assert isinstance(damaged.value.__cause__, NotCommittedError)
     assert not list((tmp_path / "checkpoints").iterdir())  # nothing half-fetched is left
+
+
+def test_a_policy_chain_that_does_not_verify_is_damaged_not_merely_unservable(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """What a reader discards (`DamagedCheckpointError`) against what it only refuses: a
+    version whose marker is gone, or a delta whose base is, cannot be rebuilt by anyone."""
+    run = f"memory://ckpt-{uuid.uuid4().hex}/run"
+    store = ObjectStore(run)
+    upload(store, models["tied"], "policies/step_000001", step=1)
+    commit_step(store, "policies/step_000002", [], step=2, meta={"kind": "delta", "base": 3})
+    with pytest.raises(DamagedCheckpointError, match="version 2 is a delta on version 3, which"):
+        version_chain(f"{run}/policies/step_000002", None)
+    with pytest.raises(DamagedCheckpointError, match="step_000009 is not committed"):
+        version_chain(f"{run}/policies/step_000009", None)
+    assert version_chain(f"{run}/policies/step_000001", None) == [f"{run}/policies/step_000001"]
+    with pytest.raises(CheckpointError) as refused:
+        local_checkpoint(tmp_path / "nope", tmp_path)
+    assert not isinstance(refused.value, DamagedCheckpointError)
 
 
 def test_signature_lists_every_tensor_and_shape(models: dict[str, Path]) -> None:

@@ -32,6 +32,7 @@ def _row(example: int, mode: str, sample: int, reward: float, text: str) -> dict
         "skip_reason": None if not math.isnan(reward) else "no_completion",
         "error": None,
         "policy_version": 0,
+        "policy_lineage": "",
         "temperature": 1.0 if mode == "sampled" else 0.0,
         "completion_tokens": len(text),
         "is_truncated": False,

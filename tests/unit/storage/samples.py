@@ -10,6 +10,7 @@ def make_row(index: int, step: int = 3, **changes: Any) -> dict[str, Any]:
     row = {
         "step": step,
         "policy_version": max(step - 1, 0),
+        "policy_lineage": f"lineage-{index % 2}",
         "env": "reverse_text",
         "example_id": index // 2,
         "group_id": index // 2,

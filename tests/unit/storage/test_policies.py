@@ -13,6 +13,10 @@ from storage.layout import RunLayout
 from storage.parts import wait_for_parts, write_part
 from storage.policies import (
     chain,
+    committed_version,
+    discard_version,
+    forget_after,
+    is_published,
     load_policy_weights,
     prune_policies,
     write_delta_file,
@@ -93,6 +97,35 @@ def test_retention_keeps_a_kept_delta_whole(run: ObjectStore) -> None:
     # keep_every=2 keeps version 2, a delta: versions 0 and 1 stay for it.
     assert prune_policies(run, keep_last=1, keep_every=2) == []
     assert prune_policies(run, keep_last=1) == [0, 1, 2]
+
+
+def test_retention_survives_a_kept_delta_whose_base_was_deleted(run: ObjectStore) -> None:
+    """A broken chain keeps nothing alive but itself (a reader discards it): retention goes
+    on instead of failing the trainer's publication."""
+    delete_step(run, RunLayout.policy_dir(3))
+    assert prune_policies(run, keep_last=1) == [0, 1, 2]
+    assert committed_steps(run, RunLayout.POLICIES) == [4]
+
+
+def test_a_resume_clears_exactly_the_versions_past_its_checkpoint(run: ObjectStore) -> None:
+    assert forget_after(run, 2) == [3, 4]
+    assert committed_steps(run, RunLayout.POLICIES) == [0, 1, 2]
+    assert run.list(RunLayout.POLICIES) == [RunLayout.step_name(s) for s in (0, 1, 2)]
+    assert forget_after(run, 2) == []
+    assert forget_after(run, 0) == [1, 2]
+
+
+def test_a_discarded_version_is_the_one_its_writer_no_longer_finds(run: ObjectStore) -> None:
+    """The trainer republishes exactly when `is_published` says no; a reader discards only
+    the write it failed on, never the same step written again since."""
+    assert is_published(run, 4, "u4") and not is_published(run, 4, "u4-other")
+    assert not discard_version(run, 4, "u4-of-an-older-write")
+    assert committed_version(run, 4) is not None
+    assert discard_version(run, 4, "u4")
+    assert committed_version(run, 4) is None and not is_published(run, 4, "u4")
+    assert not discard_version(run, 4, "u4")  # gone already: nothing to do
+    # Its base and everything older stay servable.
+    assert [v.step for v in chain(run, 3)] == [3]
 
 
 def test_rank_zero_commits_only_the_parts_of_its_own_version(memory_store: ObjectStore) -> None:

@@ -37,6 +37,19 @@ def test_round_trip_keeps_every_value(store: ObjectStore) -> None:
     assert committed_steps(store, RunLayout.ROLLOUTS) == [3]
 
 
+def test_each_row_keeps_the_lineage_of_its_version(store: ObjectStore) -> None:
+    """Version 2 of a dead trainer and version 2 of the one resumed after it differ only by
+    `policy_lineage`; a shard written before the column reads as lineage unknown ('')."""
+    table = rows_to_table(rows(4))
+    write_rollouts(store, 3, table)
+    back = read_rollouts(store, 3)
+    assert back.column("policy_version").to_pylist() == [2, 2, 2, 2]
+    assert back.column("policy_lineage").to_pylist() == ["lineage-0", "lineage-1"] * 2
+    older = conform_table(table.drop_columns(["policy_lineage"]), "<older>")
+    assert older.column("policy_lineage").to_pylist() == [""] * 4
+    assert older.schema == ROLLOUT_SCHEMA
+
+
 def test_rows_are_split_into_ordered_shards(store: ObjectStore) -> None:
     table = rows_to_table(rows(10))
     record = write_rollouts(store, 3, rows(10), max_rows_per_shard=3)
