@@ -85,7 +85,7 @@ class PolicyModel(nn.Module):
 
     #: The adapters `build_policy` added (None: every weight trains).
     lora: LoraConfig | None = None
-    #: What the adapters apply to, as configured (`engine.trainer.worker.adapter_base`; by
+    #: What the adapters apply to, as configured (`engine.trainer.build.adapter_base`; by
     #: default where the model was loaded from): every adapter's `base_model_name_or_path`.
     adapter_base: str
 

@@ -3,7 +3,7 @@
 `python -m engine.trainer.tenants --config pools.json`, one process per rank under torchrun,
 as `primeflow pools up` starts it. The base model is loaded and sharded once, with one adapter
 slot (FSDP2 fixes a unit's parameters when it shards it). Each tenant is a whole RL `Trainer`
-(`engine.trainer.worker`) of its own run — optimizer, schedule, publisher, resume
+(`engine.trainer.build`) of its own run — optimizer, schedule, publisher, resume
 checkpoints, metrics — around that shared model; while it trains, the slot holds its
 adapter, and each tenant's adapter waits in device memory beside the model otherwise
 (a copy of ~1 % of the model's bytes at each switch).
@@ -32,20 +32,13 @@ import torch
 
 from engine.config import PrimeflowConfig
 from engine.tenancy import ENDED, TenantFiles, lora_of, misfits, tenant_names
+from engine.trainer.build import Trainer, load_start_adapter, policy_context, trainer_on
 from engine.trainer.distributed import DistInfo, from_main
 from engine.trainer.loss import LossFn, build_loss
 from engine.trainer.publish import PolicyPublisher
+from engine.trainer.rl import start_publishing, train_rl_step
 from engine.trainer.step import StepContext
-from engine.trainer.worker import (
-    Trainer,
-    in_process_group,
-    load_start_adapter,
-    policy_context,
-    rank_config,
-    start_publishing,
-    train_rl_step,
-    trainer_on,
-)
+from engine.trainer.worker import in_process_group, rank_config
 from storage.commit import is_committed, latest_committed_step
 from storage.layout import RunLayout
 from storage.shards import read_rollouts

@@ -1,0 +1,315 @@
+"""What one trainer rank trains with: the model (loaded, sharded, adapters attached), its
+optimizer and schedule, the stage's stores and checkpoint writer, and resuming from the newest
+intact checkpoint (`Trainer`). The RL and SFT loops (`engine.trainer.rl`, `engine.trainer.sft`)
+and the shared trainer's tenants (`engine.trainer.tenants`) build on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from engine.config import PrimeflowConfig
+from engine.config.trainer import OptimizerConfig, SchedulerConfig, TrainerConfig
+from engine.local_checkpoints import local_checkpoint
+from engine.models import resolve_model
+from engine.models.tiny import default_cache_dir
+from engine.run import run_store as open_store
+from engine.run import stage_store
+from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
+from engine.trainer.checkpoint import CheckpointWriter, load_adapter, load_checkpoint
+from engine.trainer.distributed import DistInfo
+from engine.trainer.lora import fresh_adapter, published
+from engine.trainer.loss import LossFn
+from engine.trainer.metrics import flops_per_token, measure_bf16_peak
+from engine.trainer.model import (
+    ModelOptions,
+    PolicyModel,
+    build_policy,
+    compute_dtype,
+    load_causal_lm,
+)
+from engine.trainer.optim import build_optimizer
+from engine.trainer.packing import PackedRows, Sample, pack_samples
+from engine.trainer.schedule import build_scheduler
+from engine.trainer.step import StepContext, train_step
+from storage.checkpoints import is_adapter, load_checkpoint_weights
+from storage.commit import committed_steps, delete_step
+from storage.errors import CorruptObjectError
+from storage.layout import RunLayout, Stage
+from storage.metrics import write_metrics
+from storage.store import ObjectStore
+
+FIRST_STEP = 1
+log = logging.getLogger("primeflow.trainer")
+
+
+def load_tokenizer(name: str, revision: str | None) -> PreTrainedTokenizerBase | None:
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(name), revision=revision)
+    except (OSError, ValueError):
+        return None
+
+
+def model_assets(name: str, revision: str | None) -> dict[str, bytes]:
+    """Tokenizer and generation config files of the base model, shipped with every checkpoint."""
+    with tempfile.TemporaryDirectory(prefix="primeflow-assets-") as tmp:
+        folder = Path(tmp)
+        tokenizer = load_tokenizer(name, revision)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+        with contextlib.suppress(OSError):
+            generation = GenerationConfig.from_pretrained(resolve_model(name), revision=revision)
+            generation.save_pretrained(str(folder))
+        return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+
+
+@dataclass
+class Trainer:
+    """Model, optimizer and schedule of one stage on one rank."""
+
+    config: PrimeflowConfig
+    stage: Stage
+    dist: DistInfo
+    store: ObjectStore
+    ctx: StepContext
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    run_store: ObjectStore
+    assets: dict[str, bytes]
+    max_steps: int
+    checkpoints: CheckpointWriter
+
+    @property
+    def seq_len(self) -> int:
+        assert self.config.trainer.seq_len is not None
+        return self.config.trainer.seq_len
+
+    def pack(self, samples: Sequence[Sample]) -> tuple[list[PackedRows], int]:
+        """This rank's micro-batches of `samples` and the step's loss tokens over all ranks."""
+        rows = pack_samples(samples, self.seq_len)
+        per_micro = rows_per_micro_batch(self.config.trainer.micro_batch_tokens, self.seq_len)
+        share = rank_share(rows, self.dist.rank, self.dist.world_size, per_micro)
+        return micro_batches(share, per_micro), int(rows.loss_mask.sum())
+
+    def step(self, samples: Sequence[Sample], loss_fn: LossFn, optim: OptimizerConfig) -> dict:
+        batches, loss_tokens = self.pack(samples)
+        return train_step(
+            self.ctx,
+            self.optimizer,
+            self.scheduler,
+            batches,
+            loss_fn,
+            loss_tokens,
+            optim.max_grad_norm,
+        )
+
+    def finish_step(self, step: int, metrics: dict[str, Any], progress: dict[str, Any]) -> None:
+        """Start the step's resume checkpoint when one is due, then log the step's metrics.
+
+        `checkpoint_seconds` is what the step stalled on it (the snapshot, and waiting for the
+        previous checkpoint to be committed); the files are written in the background.
+        """
+        stalled = 0.0
+        if self.should_checkpoint(step):
+            stalled = self.checkpoints.save(step, progress)
+        metrics["checkpoint_seconds"] = stalled
+        self.log_metrics(step, metrics)
+
+    def should_checkpoint(self, step: int) -> bool:
+        if self.stage == "sft":
+            interval = self.config.sft.checkpoint_interval
+        else:
+            interval = self.config.trainer.checkpoint.interval
+        return step % interval == 0 or step == self.max_steps
+
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        """(first step to run, data position) from the newest intact committed checkpoint.
+
+        A checkpoint whose files no longer match its marker is passed over, with a warning, for
+        the one before it (it is verified in full before anything is loaded), and deleted: its
+        steps are trained again, as after any resume from an older checkpoint (RL deletes the
+        policy versions past it), and a committed step could not be written over. When every
+        checkpoint is damaged the stage fails rather than start again from nothing.
+        """
+        damaged: CorruptObjectError | None = None
+        for step in reversed(committed_steps(self.store, RunLayout.CHECKPOINTS)):
+            uri = self.store.url(RunLayout.checkpoint_dir(step))
+            try:
+                progress = load_checkpoint(
+                    self.store, step, self.ctx.policy, self.optimizer, self.scheduler, self.dist
+                )
+            except CorruptObjectError as exc:
+                log.warning("%s: %s is damaged (%s); resuming before it", self.stage, uri, exc)
+                damaged = exc
+                self._delete_damaged(step)
+                continue
+            log.info("resumed %s from %s", self.stage, uri)
+            return step + 1, progress
+        if damaged is not None:
+            raise damaged
+        return FIRST_STEP, {}
+
+    def _delete_damaged(self, step: int) -> None:
+        """Rank 0 deletes damaged checkpoint `step` once every rank has found it so."""
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if self.dist.is_main:
+            delete_step(self.store, RunLayout.checkpoint_dir(step))
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.dist.is_main:
+            write_metrics(self.run_store, self.stage, step, metrics)
+            shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()}
+            log.info("%s step %d %s", self.stage, step, json.dumps(shown, sort_keys=True))
+
+
+def initial_weights(config: TrainerConfig, folder: Path) -> str:
+    """The model to load for `init_checkpoint` `folder`: the folder itself when it holds a
+    whole model (for a LoRA run, the base a fresh adapter trains on: a full-weight SFT's
+    result), else `trainer.model`, which the folder's LoRA adapter (a LoRA SFT's result) is
+    then loaded into."""
+    if not is_adapter(folder):
+        return str(folder)
+    if config.lora is None:
+        raise ValueError(
+            f"trainer.init_checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
+            "training it"
+        )
+    assert config.model is not None
+    return config.model
+
+
+def adapter_base(config: TrainerConfig, folder: Path | None) -> str:
+    """What a LoRA run's adapters are trained on, as configured: `trainer.init_checkpoint`
+    when it holds whole weights (`folder` is its local copy), else `trainer.model`. Every
+    adapter the run writes names it (`base_model_name_or_path`), so that a server can bring
+    that base in before serving the adapter."""
+    if folder is not None and not is_adapter(folder):
+        assert config.init_checkpoint is not None
+        return config.init_checkpoint
+    assert config.model is not None
+    return config.model
+
+
+def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
+    """Load the model (`trainer.init_checkpoint`'s weights or adapter when set), shard it,
+    and wrap it with what every step needs."""
+    trainer_config = config.trainer
+    assert trainer_config.model is not None and trainer_config.seq_len is not None
+    dtype = compute_dtype(trainer_config.dtype, dist.device)
+    options = ModelOptions(
+        compute_dtype=dtype,
+        activation_checkpointing=trainer_config.activation_checkpointing,
+        compile=trainer_config.compile,
+        trust_remote_code=config.model.trust_remote_code,
+        revision=config.model.revision,
+        lora=trainer_config.lora,
+    )
+    folder = init_folder(config)
+    weights = trainer_config.model if folder is None else initial_weights(trainer_config, folder)
+    causal_lm = load_causal_lm(weights, options)
+    num_parameters = sum(p.numel() for p in causal_lm.parameters())
+    policy = build_policy(causal_lm, dist.mesh, dist.device, options)
+    policy.adapter_base = adapter_base(trainer_config, folder)
+    if policy.lora is not None:
+        load_start_adapter(policy, config)
+    on_gpu = dist.device.type == "cuda"
+    return StepContext(
+        policy=policy,
+        dist=dist,
+        compute_dtype=dtype,
+        flops_per_token=flops_per_token(policy.config, num_parameters, trainer_config.seq_len),
+        peak_flops=measure_bf16_peak(dist.device) if on_gpu else None,
+    )
+
+
+def load_start_adapter(policy: PolicyModel, config: PrimeflowConfig) -> None:
+    """A LoRA run's first adapter: `trainer.init_checkpoint`'s (a LoRA SFT's result), or a
+    fresh one drawn from `run.seed` alone, so that a run starts from the same adapter on a
+    trainer of its own and as a tenant of shared pools.
+
+    A fresh adapter on a whole-weight `init_checkpoint` trains on that checkpoint, so the
+    model loaded must be it: a tenant of shared pools, whose model is the pools', is refused.
+    """
+    folder = init_folder(config)
+    whole = folder is not None and not is_adapter(folder)
+    if whole and adapter_base(config.trainer, folder) != policy.adapter_base:
+        raise ValueError(
+            f"trainer.init_checkpoint {config.trainer.init_checkpoint} holds whole weights, a "
+            f"base of this run's own, but the adapter trains on {policy.adapter_base}: start "
+            "from an adapter (a LoRA SFT's result) or from no checkpoint"
+        )
+    if folder is None or whole:
+        shapes = {name: tuple(p.shape) for name, p in policy.trainable()}
+        load_adapter(policy, published(fresh_adapter(shapes, config.run.seed)))
+        return
+    load_adapter(policy, load_checkpoint_weights(folder))
+
+
+def init_folder(config: PrimeflowConfig) -> Path | None:
+    """`trainer.init_checkpoint` as a local folder (fetched when remote); None when unset."""
+    if config.trainer.init_checkpoint is None:
+        return None
+    return local_checkpoint(config.trainer.init_checkpoint, default_cache_dir(), config.storage)
+
+
+def trainer_on(
+    ctx: StepContext,
+    config: PrimeflowConfig,
+    stage: Stage,
+    assets: dict[str, bytes],
+    optim: OptimizerConfig,
+    scheduler_config: SchedulerConfig,
+    max_steps: int,
+) -> Trainer:
+    """A stage's optimizer, schedule, stores and checkpoint writer around the model of `ctx`
+    (one model, one trainer; or a shared model and one trainer per tenant)."""
+    optimizer = build_optimizer(ctx.policy, optim, ctx.dist.device)
+    scheduler = build_scheduler(optimizer, scheduler_config, max_steps)
+    run_store = open_store(config)
+    store = stage_store(run_store, stage)
+    return Trainer(
+        config=config,
+        stage=stage,
+        dist=ctx.dist,
+        store=store,
+        run_store=run_store,
+        ctx=ctx,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        assets=assets,
+        max_steps=max_steps,
+        checkpoints=CheckpointWriter(
+            store,
+            ctx.policy,
+            optimizer,
+            scheduler,
+            ctx.dist,
+            files=assets,
+            config=config.trainer.checkpoint,
+        ),
+    )
+
+
+def build_trainer(
+    config: PrimeflowConfig,
+    stage: Stage,
+    dist: DistInfo,
+    assets: dict[str, bytes],
+    optim: OptimizerConfig,
+    scheduler_config: SchedulerConfig,
+    max_steps: int,
+) -> Trainer:
+    """Load, shard and wrap the model with its optimizer and schedule."""
+    ctx = policy_context(config, dist)
+    return trainer_on(ctx, config, stage, assets, optim, scheduler_config, max_steps)
