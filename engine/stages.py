@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from engine.config import PrimeflowConfig
 from engine.inference.attached import ServingPool
+from engine.inference.control import ReloadError
 from engine.inference.on_demand import PoolOnDemand
 from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
@@ -179,21 +180,31 @@ class _Trainer:
 class _SharedTrainer(_Trainer):
     """A tenant's side of the shared trainer (`engine.trainer.tenants`): its request, the
     lease it renews while it lives, the trainer's answers; the tenant withdraws however the
-    stage ends, and the pools go on."""
+    stage ends, and the pools go on.
 
-    def __init__(self, config: PrimeflowConfig, run: Run, stage: Stage, logger: Logger) -> None:
-        assert stage == "rl" and config.pools.name is not None
-        self.config, self.stage, self.logger = config, stage, logger
+    Each admission names the step the trainer starts this tenant from; a restarted trainer
+    admits it again from its last checkpoint and deletes the policy versions published past
+    it. The tenant's servers then go back to that version (`pool`), which unloads the
+    rolled-back ones (`engine.inference.adapters`): the orchestrator would do it at its next
+    reload, but none comes once it has committed its last rollouts.
+    """
+
+    def __init__(self, config: PrimeflowConfig, run: Run, logger: Logger, pool: ServingPool):
+        assert config.pools.name is not None
+        self.config, self.stage, self.logger = config, "rl", logger
         self.logs = run.logs
-        self.progress = _Progress(
-            run.store, (stage, "orchestrator"), ProgressClock(config.watchdog)
-        )
+        self.store = run.store
+        self.pool = pool
+        self.progress = _Progress(run.store, ("rl", "orchestrator"), ProgressClock(config.watchdog))
         self.pools = config.pools.name
         self.files = TenantFiles(self.pools, config.run.name)
         self.attempt = ""
         self._beating = threading.Event()
         self._heart: threading.Thread | None = None
         self._said: dict[str, Any] | None = None
+        #: The time of the admission last acted on, and the step to serve again, until served.
+        self._admitted_at: float | None = None
+        self._go_back: int | None = None
 
     def __enter__(self) -> _SharedTrainer:
         record = PoolRecord.read(self.pools)
@@ -229,7 +240,26 @@ class _SharedTrainer(_Trainer):
             return 0
         if status in ENDED:
             raise self.failure(1)
+        if (
+            self._said is not None
+            and status == "admitted"
+            and self._said["at"] != self._admitted_at
+        ):
+            self._admitted_at = self._said["at"]
+            self._go_back = int(self._said["step"])
+        if self._go_back is not None:
+            self._serve_again(self._go_back)
         return None
+
+    def _serve_again(self, step: int) -> None:
+        """Serve policy version `step`, the one the trainer (re)started from; one that is not
+        committed yet (the trainer writes it in the background) is tried at the next poll."""
+        try:
+            self.pool.reload(self.store.url(RunLayout.policy_dir(step)), step)
+        except ReloadError as exc:
+            self.logger.info("rl: policy version %d is not served yet: %s", step, exc)
+            return
+        self._go_back = None
 
     def check(self) -> None:
         """Fail the stage when the pools are gone or the stage went silent too long."""
@@ -282,8 +312,12 @@ def run_rl(
         except BaseException as exc:
             failure.append(exc)
 
-    side = _Trainer if config.pools.name is None else _SharedTrainer
-    with side(config, run, "rl", logger) as trainer:
+    side = (
+        _Trainer(config, run, "rl", logger)
+        if config.pools.name is None
+        else _SharedTrainer(config, run, logger, pool)
+    )
+    with side as trainer:
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
         orchestrator.start()
         try:
