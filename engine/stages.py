@@ -58,6 +58,11 @@ class StageFailedError(RuntimeError):
     """A stage's process exited with an error; the message names its log."""
 
 
+class StageCancelledError(RuntimeError):
+    """The stage was asked to stop (its flow run was cancelled): its trainer and orchestrator
+    were stopped, and a tenant withdrew from its shared pools."""
+
+
 class StageHungError(StageFailedError):
     """A stage made no progress for longer than the watchdog allows; the message names the
     processes that did not answer and `report`, which holds every process's stacks."""
@@ -120,10 +125,18 @@ class _Progress:
 
 class _Trainer:
     """The stage's trainer pool: started, its process group recorded, and stopped however the
-    stage ends; `check` fails the stage if it hung."""
+    stage ends; `check` fails the stage if it hung, and stops it once `cancel` is set."""
 
-    def __init__(self, config: PrimeflowConfig, run: Run, stage: Stage, logger: Logger) -> None:
+    def __init__(
+        self,
+        config: PrimeflowConfig,
+        run: Run,
+        stage: Stage,
+        logger: Logger,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.config, self.stage, self.logger = config, stage, logger
+        self.cancel = cancel
         self.logs = run.logs
         also = ("orchestrator",) if stage == "rl" else ()
         self.progress = _Progress(run.store, (stage, *also), ProgressClock(config.watchdog))
@@ -150,9 +163,16 @@ class _Trainer:
             self.check()
         return code
 
+    def stop_if_cancelled(self) -> None:
+        """Raise `StageCancelledError` once `cancel` is set; leaving the stage's `with` blocks
+        stops what it started."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise StageCancelledError(f"the {self.stage} stage was cancelled")
+
     def check(self) -> None:
         """Raise `StageHungError` once the stage has been silent too long, its stacks saved
         and the trainer stopped (a stopped rank ignores SIGTERM: only SIGKILL ends it)."""
+        self.stop_if_cancelled()
         self.progress.poll()
         stall = self.progress.clock.stall()
         if stall is None:
@@ -189,9 +209,17 @@ class _SharedTrainer(_Trainer):
     reload, but none comes once it has committed its last rollouts.
     """
 
-    def __init__(self, config: PrimeflowConfig, run: Run, logger: Logger, pool: ServingPool):
+    def __init__(
+        self,
+        config: PrimeflowConfig,
+        run: Run,
+        logger: Logger,
+        pool: ServingPool,
+        cancel: threading.Event | None = None,
+    ) -> None:
         assert config.pools.name is not None
         self.config, self.stage, self.logger = config, "rl", logger
+        self.cancel = cancel
         self.logs = run.logs
         self.store = run.store
         self.pool = pool
@@ -262,7 +290,9 @@ class _SharedTrainer(_Trainer):
         self._go_back = None
 
     def check(self) -> None:
-        """Fail the stage when the pools are gone or the stage went silent too long."""
+        """Fail the stage when the pools are gone or the stage went silent too long; stop it
+        once `cancel` is set (leaving it withdraws the tenant: the trainer lets it go)."""
+        self.stop_if_cancelled()
         PoolRecord.read(self.pools)
         self.progress.poll()
         stall = self.progress.clock.stall()
@@ -282,10 +312,16 @@ class _SharedTrainer(_Trainer):
         )
 
 
-def run_sft(config: PrimeflowConfig, run: Run, logger: Logger = log) -> StageResult:
-    """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+def run_sft(
+    config: PrimeflowConfig,
+    run: Run,
+    logger: Logger = log,
+    cancel: threading.Event | None = None,
+) -> StageResult:
+    """SFT on the trainer pool, in the foreground; resumes from its last committed step.
+    Setting `cancel` stops it (`StageCancelledError`)."""
     started = time.perf_counter()
-    with _Trainer(config, run, "sft", logger) as trainer:
+    with _Trainer(config, run, "sft", logger, cancel) as trainer:
         code = trainer.wait()
     if code != 0:
         raise trainer.failure(code)
@@ -293,14 +329,20 @@ def run_sft(config: PrimeflowConfig, run: Run, logger: Logger = log) -> StageRes
 
 
 def run_rl(
-    config: PrimeflowConfig, run: Run, pool: ServingPool, logger: Logger = log
+    config: PrimeflowConfig,
+    run: Run,
+    pool: ServingPool,
+    logger: Logger = log,
+    cancel: threading.Event | None = None,
 ) -> StageResult:
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
     The orchestrator runs on a thread so that a trainer that died is noticed: the
     orchestrator would otherwise wait forever for the policy the async bound needs. A tenant
     of shared pools (`pools.name`) trains on the shared trainer instead of a pool of its own
-    (`_SharedTrainer`), and `pool` is its view of the shared inference pool.
+    (`_SharedTrainer`), and `pool` is its view of the shared inference pool. Setting `cancel`
+    stops the stage within a poll (`StageCancelledError`): the orchestrator and the trainer
+    pool are stopped, or the tenant withdraws from the shared trainer.
     """
     started = time.perf_counter()
     failure: list[BaseException] = []
@@ -313,9 +355,9 @@ def run_rl(
             failure.append(exc)
 
     side = (
-        _Trainer(config, run, "rl", logger)
+        _Trainer(config, run, "rl", logger, cancel)
         if config.pools.name is None
-        else _SharedTrainer(config, run, logger, pool)
+        else _SharedTrainer(config, run, logger, pool, cancel)
     )
     with side as trainer:
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)

@@ -9,8 +9,10 @@ tenant's request with another's adapter (or the base) would show in that tenant'
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,9 +21,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from uuid import UUID
 
 import httpx
 import pytest
+from prefect import get_client
+from prefect.client.schemas.objects import State
 
 from engine.config import load_config
 from engine.models.resolve import resolve_model
@@ -33,6 +38,7 @@ from storage.commit import committed_steps, latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.store import ObjectStore
+from tasks.pools import limit_name
 from tests.integration.adapters import random_adapter
 from tests.integration.faults.helpers import commit_times
 from tests.integration.prefect.test_flow_runs import group_alive, wait_until
@@ -353,3 +359,68 @@ def test_a_killed_shared_trainer_restarts_and_every_tenant_completes(
         assert times and times[-1] < finished, adapter
         after = [at for at, _ in watch.seen if times[0] <= at <= times[-1]]
         assert len(after) == len(times), f"{adapter} was loaded again after it left"
+
+
+def test_a_cancelled_tenant_stops_and_frees_its_slot_within_30_s(
+    shared_pools: SharedPools, tmp_path: Path
+) -> None:
+    """Issue 34, item 1: `prefect flow-run cancel` of a tenant started by `primeflow rl` (a
+    flow run in that process, no worker to kill it) stops it: within 30 s its process is
+    gone, the shared trainer has let it go and its Prefect concurrency slot is free; the
+    flow run stays Cancelled."""
+    # A tenant killed by an earlier test holds its slot until its lease lapses (a minute).
+    wait_until(lambda: slots_taken() == 0, 120, "the earlier tenants' slots to lapse")
+    process = tenant(shared_pools, tmp_path, "cancelled", "reverse_text", seed=7, steps=200)
+    log = tmp_path / "cancelled.log"
+    store = ObjectStore(f"file://{tmp_path}/runs/cancelled")
+    wait_until(
+        lambda: committed_steps(store, RunLayout.CHECKPOINTS),
+        600,
+        f"the tenant's first checkpoint (see {log})",
+        poll_s=0.2,
+    )
+    assert slots_taken() == 1
+    found = re.search(r"/runs/flow-run/([0-9a-f-]{36})", log.read_text())
+    assert found is not None, log.read_text()
+    flow_run_id = found.group(1)
+    cancel = subprocess.run(
+        [sys.executable, "-m", "prefect", "flow-run", "cancel", flow_run_id],
+        env=shared_pools.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    cancelled_at = time.monotonic()
+
+    assert process.wait(30) == 1
+    assert "primeflow: the rl flow run was cancelled" in log.read_text()
+    files = TenantFiles(POOLS, "cancelled")
+    wait_until(
+        lambda: (s := files.last_state()) and s["status"] == "released",
+        max(0.0, 30 - (time.monotonic() - cancelled_at)),
+        "the shared trainer to let the cancelled tenant go",
+        poll_s=0.2,
+    )
+    assert slots_taken() == 0
+    assert time.monotonic() - cancelled_at < 30
+    trained = committed_steps(store, RunLayout.CHECKPOINTS)[-1]
+    assert trained < 200
+    state = asyncio.run(flow_run_state(flow_run_id))
+    assert state is not None and state.is_cancelled(), state
+
+
+def slots_taken() -> int:
+    """Slots of the pools' Prefect concurrency limit held now."""
+
+    async def read() -> int:
+        async with get_client() as client:
+            limit = await client.read_global_concurrency_limit_by_name(limit_name(POOLS))
+            return limit.active_slots
+
+    return asyncio.run(read())
+
+
+async def flow_run_state(flow_run_id: str) -> State | None:
+    async with get_client() as client:
+        return (await client.read_flow_run(UUID(flow_run_id))).state
