@@ -85,6 +85,12 @@ def fetched_dir(cache_dir: Path) -> Path:
     return cache_dir / "checkpoints"
 
 
+def adapter_copies_dir(cache_dir: Path) -> Path:
+    """Where the servers' private copies of adapters are, one folder per lineage
+    (`engine.inference.adapters`)."""
+    return cache_dir / "adapters"
+
+
 def forget_fetched(cache_dir: Path, folders: set[Path]) -> None:
     """Delete the fetched copies among `folders` (not in-place `file://` folders) once no
     server needs them, so a long run on remote storage does not fill the cache with every

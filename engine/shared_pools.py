@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from engine.config import PrimeflowConfig
-from engine.inference.adapters import AdapterLineage
+from engine.inference.adapters import unload_lineage
 from engine.inference.control import control_client
 from engine.inference.pool import InferencePool
 from engine.process_groups import forget_group, kill_recorded_groups, record_group
@@ -143,8 +143,7 @@ class SharedPools:
             age = files.lease_age(attempt)
             if age is not None and age <= self.config.pools.lease_s:
                 continue
-            lineage = AdapterLineage(tenant, self._clients, [])
-            lineage.unload_all()
+            unload_lineage(tenant, self._clients)
             self._cleaned.add((tenant, attempt))
             self.logger.info("tenant %s is gone: its adapters are unloaded", tenant)
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from engine.config import PrimeflowConfig
 from engine.inference.attached import ServingPool
+from engine.inference.control import ReloadError
 from engine.inference.on_demand import PoolOnDemand
 from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
@@ -56,6 +57,11 @@ PROGRESS_POLL_S = 5.0
 
 class StageFailedError(RuntimeError):
     """A stage's process exited with an error; the message names its log."""
+
+
+class StageCancelledError(RuntimeError):
+    """The stage was asked to stop (its flow run was cancelled): its trainer and orchestrator
+    were stopped, and a tenant withdrew from its shared pools."""
 
 
 class StageHungError(StageFailedError):
@@ -120,10 +126,18 @@ class _Progress:
 
 class _Trainer:
     """The stage's trainer pool: started, its process group recorded, and stopped however the
-    stage ends; `check` fails the stage if it hung."""
+    stage ends; `check` fails the stage if it hung, and stops it once `cancel` is set."""
 
-    def __init__(self, config: PrimeflowConfig, run: Run, stage: Stage, logger: Logger) -> None:
+    def __init__(
+        self,
+        config: PrimeflowConfig,
+        run: Run,
+        stage: Stage,
+        logger: Logger,
+        cancel: threading.Event | None = None,
+    ) -> None:
         self.config, self.stage, self.logger = config, stage, logger
+        self.cancel = cancel
         self.logs = run.logs
         also = ("orchestrator",) if stage == "rl" else ()
         self.progress = _Progress(run.store, (stage, *also), ProgressClock(config.watchdog))
@@ -150,9 +164,16 @@ class _Trainer:
             self.check()
         return code
 
+    def stop_if_cancelled(self) -> None:
+        """Raise `StageCancelledError` once `cancel` is set; leaving the stage's `with` blocks
+        stops what it started."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise StageCancelledError(f"the {self.stage} stage was cancelled")
+
     def check(self) -> None:
         """Raise `StageHungError` once the stage has been silent too long, its stacks saved
         and the trainer stopped (a stopped rank ignores SIGTERM: only SIGKILL ends it)."""
+        self.stop_if_cancelled()
         self.progress.poll()
         stall = self.progress.clock.stall()
         if stall is None:
@@ -180,21 +201,39 @@ class _Trainer:
 class _SharedTrainer(_Trainer):
     """A tenant's side of the shared trainer (`engine.trainer.tenants`): its request, the
     lease it renews while it lives, the trainer's answers; the tenant withdraws however the
-    stage ends, and the pools go on."""
+    stage ends, and the pools go on.
 
-    def __init__(self, config: PrimeflowConfig, run: Run, stage: Stage, logger: Logger) -> None:
-        assert stage == "rl" and config.pools.name is not None
-        self.config, self.stage, self.logger = config, stage, logger
+    Each admission names the step the trainer starts this tenant from; a restarted trainer
+    admits it again from its last checkpoint and deletes the policy versions published past
+    it. The tenant's servers then go back to that version (`pool`), which unloads the
+    rolled-back ones (`engine.inference.adapters`): the orchestrator would do it at its next
+    reload, but none comes once it has committed its last rollouts.
+    """
+
+    def __init__(
+        self,
+        config: PrimeflowConfig,
+        run: Run,
+        logger: Logger,
+        pool: ServingPool,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        assert config.pools.name is not None
+        self.config, self.stage, self.logger = config, "rl", logger
+        self.cancel = cancel
         self.logs = run.logs
-        self.progress = _Progress(
-            run.store, (stage, "orchestrator"), ProgressClock(config.watchdog)
-        )
+        self.store = run.store
+        self.pool = pool
+        self.progress = _Progress(run.store, ("rl", "orchestrator"), ProgressClock(config.watchdog))
         self.pools = config.pools.name
         self.files = TenantFiles(self.pools, config.run.name)
         self.attempt = ""
         self._beating = threading.Event()
         self._heart: threading.Thread | None = None
         self._said: dict[str, Any] | None = None
+        #: The time of the admission last acted on, and the step to serve again, until served.
+        self._admitted_at: float | None = None
+        self._go_back: int | None = None
 
     def __enter__(self) -> _SharedTrainer:
         record = PoolRecord.read(self.pools)
@@ -230,10 +269,31 @@ class _SharedTrainer(_Trainer):
             return 0
         if status in ENDED:
             raise self.failure(1)
+        if (
+            self._said is not None
+            and status == "admitted"
+            and self._said["at"] != self._admitted_at
+        ):
+            self._admitted_at = self._said["at"]
+            self._go_back = int(self._said["step"])
+        if self._go_back is not None:
+            self._serve_again(self._go_back)
         return None
 
+    def _serve_again(self, step: int) -> None:
+        """Serve policy version `step`, the one the trainer (re)started from; one that is not
+        committed yet (the trainer writes it in the background) is tried at the next poll."""
+        try:
+            self.pool.reload(self.store.url(RunLayout.policy_dir(step)), step)
+        except ReloadError as exc:
+            self.logger.info("rl: policy version %d is not served yet: %s", step, exc)
+            return
+        self._go_back = None
+
     def check(self) -> None:
-        """Fail the stage when the pools are gone or the stage went silent too long."""
+        """Fail the stage when the pools are gone or the stage went silent too long; stop it
+        once `cancel` is set (leaving it withdraws the tenant: the trainer lets it go)."""
+        self.stop_if_cancelled()
         PoolRecord.read(self.pools)
         self.progress.poll()
         stall = self.progress.clock.stall()
@@ -253,10 +313,16 @@ class _SharedTrainer(_Trainer):
         )
 
 
-def run_sft(config: PrimeflowConfig, run: Run, logger: Logger = log) -> StageResult:
-    """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+def run_sft(
+    config: PrimeflowConfig,
+    run: Run,
+    logger: Logger = log,
+    cancel: threading.Event | None = None,
+) -> StageResult:
+    """SFT on the trainer pool, in the foreground; resumes from its last committed step.
+    Setting `cancel` stops it (`StageCancelledError`)."""
     started = time.perf_counter()
-    with _Trainer(config, run, "sft", logger) as trainer:
+    with _Trainer(config, run, "sft", logger, cancel) as trainer:
         code = trainer.wait()
     if code != 0:
         raise trainer.failure(code)
@@ -264,14 +330,20 @@ def run_sft(config: PrimeflowConfig, run: Run, logger: Logger = log) -> StageRes
 
 
 def run_rl(
-    config: PrimeflowConfig, run: Run, pool: ServingPool, logger: Logger = log
+    config: PrimeflowConfig,
+    run: Run,
+    pool: ServingPool,
+    logger: Logger = log,
+    cancel: threading.Event | None = None,
 ) -> StageResult:
     """The trainer pool consumes shards in the background while the orchestrator makes them.
 
     The orchestrator runs on a thread so that a trainer that died is noticed: the
     orchestrator would otherwise wait forever for the policy the async bound needs. A tenant
     of shared pools (`pools.name`) trains on the shared trainer instead of a pool of its own
-    (`_SharedTrainer`), and `pool` is its view of the shared inference pool.
+    (`_SharedTrainer`), and `pool` is its view of the shared inference pool. Setting `cancel`
+    stops the stage within a poll (`StageCancelledError`): the orchestrator and the trainer
+    pool are stopped, or the tenant withdraws from the shared trainer.
 
     Policy versions past the newest resume checkpoint are deleted before either starts: a
     dead trainer published them, the resumed one trains those steps again, and an
@@ -296,8 +368,12 @@ def run_rl(
         except BaseException as exc:
             failure.append(exc)
 
-    side = _Trainer if config.pools.name is None else _SharedTrainer
-    with side(config, run, "rl", logger) as trainer:
+    side = (
+        _Trainer(config, run, "rl", logger, cancel)
+        if config.pools.name is None
+        else _SharedTrainer(config, run, logger, pool, cancel)
+    )
+    with side as trainer:
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
         orchestrator.start()
         try:

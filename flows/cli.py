@@ -62,6 +62,9 @@ def _flow_runner(name: str) -> ConfigRunner:
         )
         try:
             state = flow(config=config, return_state=True)
+            if state.is_cancelling() or state.is_cancelled():
+                print(f"primeflow: the {name} flow run was cancelled", file=sys.stderr)
+                return EXIT_FAILED
             result = state.result()
         except Exception as exc:
             print(f"primeflow: the {name} flow failed: {exc}", file=sys.stderr)

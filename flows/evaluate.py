@@ -23,7 +23,7 @@ from flows.reproduce import recorded_config
 from storage.errors import ObjectNotFoundError
 from storage.layout import RunLayout, Stage
 from storage.manifest import read_manifest
-from tasks.hooks import kill_pools_on_exit
+from tasks.hooks import ON_CANCELLATION, kill_pools_on_exit
 from tasks.pools import inference_pool
 from tasks.stages import evaluate_checkpoint
 
@@ -52,7 +52,7 @@ def default_eval_name(stage: Stage, step: int, *, triggered: bool) -> str:
 @flow(
     name="evaluate",
     flow_run_name=flow_run_name,
-    on_cancellation=[kill_pools_on_exit],
+    on_cancellation=ON_CANCELLATION,
     on_crashed=[kill_pools_on_exit],
 )
 def evaluate(

@@ -23,7 +23,7 @@ from engine.results import PipelineResult, RunReport, StageResult
 from engine.run import Run, open_run
 from engine.wandb_sink import WandbSink, wandb_sink
 from storage.metrics import compact_metrics
-from tasks.hooks import config_of_run, kill_pools_on_exit
+from tasks.hooks import ON_CANCELLATION, config_of_run, kill_pools_on_exit
 from tasks.pools import inference_pool
 from tasks.reporting import publish_summary
 from tasks.stages import evaluate_checkpoint, rl_loop, sft_warmup
@@ -76,7 +76,7 @@ def with_init_checkpoint(config: PrimeflowConfig, uri: str | None) -> PrimeflowC
 @flow(
     name="post-train",
     flow_run_name=flow_run_name,
-    on_cancellation=[kill_pools_on_exit],
+    on_cancellation=ON_CANCELLATION,
     on_crashed=[kill_pools_on_exit],
 )
 def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> PipelineResult:
@@ -116,7 +116,7 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
 @flow(
     name="sft",
     flow_run_name=flow_run_name,
-    on_cancellation=[kill_pools_on_exit],
+    on_cancellation=ON_CANCELLATION,
     on_crashed=[kill_pools_on_exit],
 )
 def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> StageResult:
@@ -132,7 +132,7 @@ def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> Sta
 @flow(
     name="rl",
     flow_run_name=flow_run_name,
-    on_cancellation=[kill_pools_on_exit],
+    on_cancellation=ON_CANCELLATION,
     on_crashed=[kill_pools_on_exit],
 )
 def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> StageResult:

@@ -313,6 +313,37 @@ def fetch_checkpoint(
         return folder
     if folder.exists() and existing is None and any(folder.iterdir()):
         raise ValueError(f"{folder} exists and is not a fetched checkpoint; pass a new folder")
+    _assemble(store, step_dir, record, wanted, folder)
+    return folder
+
+
+def copy_local_checkpoint(source: Path, target: Path) -> CommitRecord:
+    """Copy committed local step folder `source` (trainer state left behind) to `target`,
+    every file verified against `source`'s marker as it is copied; returns that marker.
+
+    For a reader that must not see its folder change under it: a resumed trainer deletes its
+    policy versions past its checkpoint and publishes their step numbers again into the same
+    folders, while a server may still read the old ones (vLLM reloads an adapter from its
+    folder whenever it brings it back into its cache). A copy taken while `source` was being
+    rewritten fails with `CorruptObjectError` and leaves `target` as it was.
+    """
+    record = _local_record(source)
+    if record is None:
+        raise NotCommittedError(source.as_uri(), f"no {MARKER}")
+    wanted = {n: d for n, d in record.files.items() if not _is_trainer_file(n)}
+    _assemble(ObjectStore(source.absolute().as_uri()), "", record, wanted, target.absolute())
+    return record
+
+
+def _assemble(
+    store: ObjectStore,
+    step_dir: str,
+    record: CommitRecord,
+    wanted: Mapping[str, FileDigest],
+    folder: Path,
+) -> None:
+    """Copy `wanted` of committed `step_dir` into a sibling of `folder`, each file verified
+    as it is copied, and swap it in whole: `folder` never holds a mix of two steps."""
     staging = folder.with_name(f"{folder.name}.partial-{uuid.uuid4().hex}")
     try:
         for name, digest in sorted(wanted.items()):
@@ -322,7 +353,6 @@ def fetch_checkpoint(
         _swap_in(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return folder
 
 
 def _swap_in(staging: Path, folder: Path) -> None:

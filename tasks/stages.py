@@ -8,17 +8,30 @@ Results are small (steps, URIs, headline numbers); nothing large or secret goes 
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from typing import Any
+
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State, TaskRun
 
 from engine.config import PrimeflowConfig
 from engine.inference.on_demand import PoolOnDemand
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.results import EvalResult, StageResult
 from engine.run import Run
-from engine.stages import EvalStep, StageHungError, finished, run_eval, run_rl, run_sft, total_steps
+from engine.stages import (
+    EvalStep,
+    StageCancelledError,
+    StageHungError,
+    finished,
+    run_eval,
+    run_rl,
+    run_sft,
+    total_steps,
+)
 from engine.wandb_sink import WandbSink
 from storage.layout import RunLayout, Stage
+from tasks.hooks import cancellation
 from tasks.pools import tenant_slot
 from tasks.reporting import StageMonitor, announce_checkpoints, publish_hang_report
 
@@ -58,32 +71,51 @@ def _reported(config: PrimeflowConfig, stage: Stage, error: StageHungError) -> S
     return error
 
 
-@task(name="sft-warmup", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def _not_cancelled(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
+    """Retry a stage that failed, not one that was stopped because its flow run was cancelled."""
+    return not isinstance(state.data, StageCancelledError)
+
+
+@task(
+    name="sft-warmup",
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=_not_cancelled,
+    cache_policy=NO_CACHE,
+)
 def sft_warmup(config: PrimeflowConfig, run: Run, sink: WandbSink | None = None) -> StageResult:
-    """SFT on the trainer pool, in the foreground; resumes from its last committed step."""
+    """SFT on the trainer pool, in the foreground; resumes from its last committed step;
+    stops when the flow run is cancelled."""
     if (done := _already_done(config, run, "sft")) is not None:
         return done
-    with _monitor(config, run, "sft", sink):
+    with _monitor(config, run, "sft", sink), cancellation() as cancel:
         try:
-            return run_sft(config, run, get_run_logger())
+            return run_sft(config, run, get_run_logger(), cancel)
         except StageHungError as exc:
             raise _reported(config, "sft", exc) from None
 
 
-@task(name="rl-loop", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+@task(
+    name="rl-loop",
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=_not_cancelled,
+    cache_policy=NO_CACHE,
+)
 def rl_loop(
     config: PrimeflowConfig, run: Run, pools: PoolOnDemand, sink: WandbSink | None = None
 ) -> StageResult:
     """The RL stage (`engine.stages.run_rl`: trainer pool, orchestrator thread, their watch)
     on the flow's inference pool; whatever ends it, its orchestrator is joined first, so a
-    retry never runs beside the previous attempt's."""
+    retry never runs beside the previous attempt's. When the flow run is cancelled the stage
+    stops, and a tenant gives its slot back at once."""
     if (done := _already_done(config, run, "rl")) is not None:
         return done
     with tenant_slot(config):
         pool = pools.get()
-        with _monitor(config, run, "rl", sink):
+        with _monitor(config, run, "rl", sink), cancellation() as cancel:
             try:
-                return run_rl(config, run, pool, get_run_logger())
+                return run_rl(config, run, pool, get_run_logger(), cancel)
             except StageHungError as exc:
                 raise _reported(config, "rl", exc) from None
 

@@ -22,7 +22,12 @@ from engine.inference.adapters import AdapterLineage
 from engine.inference.control import ReloadError, control_client, named_version, unloadable
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
-from engine.local_checkpoints import forget_fetched, local_checkpoint, version_chain
+from engine.local_checkpoints import (
+    adapter_copies_dir,
+    forget_fetched,
+    local_checkpoint,
+    version_chain,
+)
 from engine.models.tiny import default_cache_dir
 from engine.tenancy import PoolRecord
 from storage.checkpoints import is_adapter
@@ -60,6 +65,7 @@ class AttachedPool:
             tenant,
             self._clients,
             self.endpoints,
+            copies=adapter_copies_dir(self.cache_dir),
             verify=config.verify_reloads,
             retire=self._forget_fetched,
         )

@@ -41,7 +41,12 @@ from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
 from engine.inference.reload_ext import commit_meta, is_delta, served_model_folder
 from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
-from engine.local_checkpoints import forget_fetched, local_checkpoint, version_chain
+from engine.local_checkpoints import (
+    adapter_copies_dir,
+    forget_fetched,
+    local_checkpoint,
+    version_chain,
+)
 from engine.models.resolve import ModelPathError, looks_like_path, resolve_model
 from engine.models.tiny import default_cache_dir
 from storage.checkpoints import base_model_of, is_adapter
@@ -366,6 +371,7 @@ class InferencePool:
                 self.model_name,
                 lambda: [self._control(server) for server in self._servers],
                 self.endpoints,
+                copies=adapter_copies_dir(self.cache_dir),
                 verify=self.config.verify_reloads,
                 retire=self._forget_fetched,
             )

@@ -124,6 +124,8 @@ class Orchestrator:
         self._reload_failures = 0
         #: The load of a newer policy version into the pool, while one runs.
         self._reload: asyncio.Task[None] | None = None
+        #: The uid of the policy version this loop last had the pool load (None: none yet).
+        self._served_uid: str | None = None
         self.online_eval = online_eval
         #: The held-out evaluation of the served policy, while one runs (no reload meanwhile).
         self._evaluation: asyncio.Task[dict] | None = None
@@ -293,7 +295,8 @@ class Orchestrator:
         Normally that is a newer one. After the trainer resumed from an older checkpoint, the
         versions it had published past that checkpoint are gone (`engine.trainer.publish`) and
         the newest is older than what the pool serves: the pool goes back to it, so it never
-        serves a policy of the dead lineage longer than one poll.
+        serves a policy of the dead lineage longer than one poll. A version it publishes again
+        under a number the pool serves has another uid, and is loaded too.
 
         The load runs beside the loop: requests sent meanwhile name the version served when
         they were sent (the pool reports a new version only once every server has it), so
@@ -317,13 +320,18 @@ class Orchestrator:
         if now - self._last_poll < self.config.poll_interval_s:
             return
         self._last_poll = now
-        latest = await asyncio.to_thread(latest_committed_step, self.store, RunLayout.POLICIES)
-        if latest is None or latest == self.server.policy_version:
+        latest = await asyncio.to_thread(self._newest_policy)
+        if latest is None or latest == (self.server.policy_version, self._served_uid):
             return
-        version = await asyncio.to_thread(committed_version, self.store, latest)
-        if version is None:  # deleted since the listing: look again at the next poll
-            return
-        self._reload = asyncio.create_task(self._load_policy(latest, version.uid))
+        self._reload = asyncio.create_task(self._load_policy(*latest))
+
+    def _newest_policy(self) -> tuple[int, str | None] | None:
+        """The newest committed policy version and its uid; None when there is none, or when
+        it was deleted as it was read (a resumed trainer rolling back). The uid tells a
+        version that a resumed trainer published again from the one served under its number."""
+        step = latest_committed_step(self.store, RunLayout.POLICIES)
+        version = None if step is None else committed_version(self.store, step)
+        return None if version is None else (version.step, version.uid)
 
     def _end_evaluation(self) -> None:
         """Forget the finished evaluation; a failure is a warning, as any reporting's is (a
@@ -383,6 +391,7 @@ class Orchestrator:
         finally:
             self._timing["time/reload_s"] += time.monotonic() - started
         self._reload_failures = 0
+        self._served_uid = uid
         for phase, seconds in self.server.last_swap.items():
             key = f"time/reload_{phase}_s"
             self._timing[key] = self._timing.get(key, 0.0) + seconds

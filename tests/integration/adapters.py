@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,11 +17,19 @@ from storage.store import ObjectStore
 
 
 def random_adapters(
-    model: Path, lora: LoraConfig, roots: Sequence[Path], seed: int = 0, base: str | None = None
+    model: Path,
+    lora: LoraConfig,
+    roots: Sequence[Path],
+    seed: int = 0,
+    base: str | None = None,
+    *,
+    version: int | None = None,
 ) -> list[str]:
     """Committed adapters on `model` whose B is random (PEFT starts it at 0), one under each of
     `roots` (seeds `seed`, `seed + 1`, ...): their URIs. They name `base` as what they were
-    trained on (default: `model`). The model is loaded once for all of them."""
+    trained on (default: `model`). The model is loaded once for all of them. They are resume
+    checkpoints at step 0, or with `version`, policy versions of that step, each with a uid
+    of its own, as the trainer publishes them."""
     causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     apply_lora(causal_lm, lora)
     config = adapter_config(lora, base or str(model))
@@ -34,8 +43,20 @@ def random_adapters(
             if param.requires_grad:
                 tensors[name] = param.detach()
         store = ObjectStore(f"file://{root}")
-        write_checkpoint(store, 0, weights=published(tensors), config=config, adapter=True)
-        uris.append(store.url(RunLayout.checkpoint_dir(0)))
+        if version is None:
+            write_checkpoint(store, 0, weights=published(tensors), config=config, adapter=True)
+            uris.append(store.url(RunLayout.checkpoint_dir(0)))
+            continue
+        write_checkpoint(
+            store,
+            version,
+            weights=published(tensors),
+            config=config,
+            adapter=True,
+            parent=RunLayout.POLICIES,
+            meta={"kind": "full", "uid": uuid.uuid4().hex},
+        )
+        uris.append(store.url(RunLayout.policy_dir(version)))
     return uris
 
 

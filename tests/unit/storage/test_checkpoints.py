@@ -11,6 +11,7 @@ import transformers
 
 from storage.checkpoints import (
     apply_retention,
+    copy_local_checkpoint,
     fetch_checkpoint,
     load_checkpoint_weights,
     load_trainer_state,
@@ -174,6 +175,34 @@ def test_fetch_needs_a_commit_and_a_folder_of_its_own(
     with pytest.raises(ValueError, match="not a fetched checkpoint"):
         fetch_checkpoint(memory_store, 5, tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
+
+
+def test_a_local_copy_outlives_its_source_and_refuses_a_source_changed_under_it(
+    file_store: ObjectStore, tiny_model: transformers.PreTrainedModel, tmp_path: Path
+) -> None:
+    _write(file_store, tiny_model, 1, progress={"step": 1})
+    source = Path(file_store.url(RunLayout.checkpoint_dir(1)).removeprefix("file://"))
+    record = copy_local_checkpoint(source, tmp_path / "copy")
+    assert record == read_commit(file_store, RunLayout.checkpoint_dir(1))
+    assert not (tmp_path / "copy" / "trainer").exists()  # servers read no trainer state
+    weights = (tmp_path / "copy" / "model.safetensors").read_bytes()
+
+    # The step is deleted and written again (a resumed trainer): the copy is unchanged.
+    file_store.delete(RunLayout.checkpoint_dir(1))
+    assert (tmp_path / "copy" / "model.safetensors").read_bytes() == weights
+
+    # A source whose files no longer match its marker (caught mid-rewrite) is not copied.
+    _write(file_store, tiny_model, 2)
+    source = Path(file_store.url(RunLayout.checkpoint_dir(2)).removeprefix("file://"))
+    data = bytearray((source / "model.safetensors").read_bytes())
+    data[-1] ^= 0x01
+    (source / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CorruptObjectError):
+        copy_local_checkpoint(source, tmp_path / "copy")
+    assert (tmp_path / "copy" / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "root"]  # no staging left
+    with pytest.raises(NotCommittedError):
+        copy_local_checkpoint(tmp_path / "root", tmp_path / "other")
 
 
 def test_writer_refuses_to_overwrite_its_own_files(memory_store: ObjectStore) -> None:
