@@ -60,13 +60,17 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class RunReport:
-    """Where `engine.report.write_run_report` put the run's report, and the sampled reward's
-    standard error per evaluation (the ± the summaries print)."""
+    """Where `engine.report.write_run_report` put the run's report, the sampled reward's
+    standard error per evaluation (the ± the summaries print), and the paired gain of each
+    policy over the one before it: {"rl-sft": {"sampled": {"examples", "mean", "stderr"},
+    "greedy": {...}}}. A gain is measured on the same prompts, so its standard error is the
+    honest noise of an improvement, far below what two separate ± would suggest."""
 
     plot: str
     samples_md: str
     report: str
     stderr: dict[str, float] = field(default_factory=dict)
+    gains: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @classmethod
     def from_report(cls, report: Mapping[str, Any]) -> RunReport:
@@ -75,10 +79,24 @@ class RunReport:
             for name, stats in report.get("evals", {}).items()
             if isinstance(stats.get("sampled", {}).get("stderr"), int | float)
         }
+        gains = {
+            pair: {mode: dict(diff) for mode, diff in modes.items() if diff is not None}
+            for pair, modes in report.get("differences", {}).items()
+        }
         return cls(
             plot=report["plot"], samples_md=report["samples_md"], report=report["report"],
-            stderr=stderr,
+            stderr=stderr, gains={pair: modes for pair, modes in gains.items() if modes},
         )  # fmt: skip
+
+    def gain_lines(self) -> list[str]:
+        """'rl − sft: +0.041 ± 0.013 sampled, +0.035 ± 0.010 greedy (paired, 100 prompts)'."""
+        lines = []
+        for pair, modes in self.gains.items():
+            after, before = pair.split("-", 1)
+            parts = [f"{d['mean']:+.3f} ± {d['stderr']:.3f} {mode}" for mode, d in modes.items()]
+            prompts = max(int(d["examples"]) for d in modes.values())
+            lines.append(f"{after} − {before}: {', '.join(parts)} (paired, {prompts} prompts)")
+        return lines
 
 
 @dataclass(frozen=True)

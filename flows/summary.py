@@ -15,6 +15,17 @@ def _reward(value: float | None) -> str:
     return f"{value:.3f}" if isinstance(value, float) else "-"
 
 
+def _gains(results: PipelineResult) -> list[str]:
+    """The paired gain of each policy over the one before it, a line each."""
+    lines = results.report.gain_lines() if results.report is not None else []
+    if not lines:
+        return []
+    return [
+        "",
+        *(("  gain:     " if i == 0 else "            ") + line for i, line in enumerate(lines)),
+    ]
+
+
 def render(results: PipelineResult, *, k: int, temperature: float, ui_url: str) -> str:
     """Plain text for a terminal: a small table, then stages, then locations."""
     rows = [("policy", f"reward (T={temperature:g}, avg@{k})", "greedy", "samples", "results")]
@@ -46,6 +57,7 @@ def render(results: PipelineResult, *, k: int, temperature: float, ui_url: str) 
         f"primeflow run {results.run}",
         "",
         *("  " + line for line in table),
+        *_gains(results),
         "",
         "  stages:   " + " · ".join(stages),
         f"  run root: {results.root}",

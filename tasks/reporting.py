@@ -310,6 +310,8 @@ def summary_markdown(config: PrimeflowConfig, results: PipelineResult) -> str:
                 f"{_number(value.metrics.get('greedy/avg@1'))} | "
                 f"{_number(value.metrics.get(f'pass@{k}'))} | `{value.uri}` |"
             )
+    if results.report is not None and (gains := results.report.gain_lines()):
+        lines += ["", *(f"- {line}" for line in gains)]
     lines += ["", "## Stages", ""]
     for stage in results.stages():
         lines.append(

@@ -26,7 +26,7 @@ while [ $# -ge 2 ]; do
     code=$?
     {
       echo "== $name: rc $code, wall $(($(date +%s) - began)) s"
-      grep -A4 '^ *policy ' "$WORK/$name.log"
+      grep -A8 '^ *policy ' "$WORK/$name.log"
     } >> "$WORK/pipelines.txt"
   ) &
   sleep 30 # the servers start one after another, so each sizes its memory alone

@@ -20,9 +20,21 @@ def test_summary_lists_each_policy_stage_times_and_locations() -> None:
         eval_sft=_eval("sft", 0.55, 0.6, "u1", 30),
         rl=StageResult("rl", 100, 100, "file:///runs/demo/checkpoints/step_100", 400.0),
         eval_rl=_eval("rl", 0.61, 0.7, "u2", 31),
-        report=RunReport(
-            plot="file:///r/reward.png", samples_md="s", report="r", stderr={"rl": 0.02}
-        ),
+        report=RunReport.from_report(
+            {
+                "plot": "file:///r/reward.png",
+                "samples_md": "s",
+                "report": "r",
+                "evals": {"rl": {"sampled": {"stderr": 0.02}}},
+                "differences": {
+                    "sft-base": {"sampled": None, "greedy": None},
+                    "rl-sft": {
+                        "sampled": {"examples": 200, "mean": 0.0612, "stderr": 0.0104},
+                        "greedy": {"examples": 200, "mean": -0.004, "stderr": 0.009},
+                    },
+                },
+            }
+        ),  # fmt: skip
     )
     text = render(results, k=1, temperature=1.0, ui_url="http://127.0.0.1:4200/runs/flow-run/x")
     rows = {line.split()[0]: line.split() for line in text.splitlines()[3:6]}
@@ -30,6 +42,9 @@ def test_summary_lists_each_policy_stage_times_and_locations() -> None:
     assert rows["rl"][1:7] == ["0.610", "±", "0.020", "0.700", "200", "u2"]
     assert "sft 300 steps in 2m05s" in text and "rl 100 steps in 6m40s" in text
     assert "3 evals in 1m41s" in text
+    # The gain of RL over SFT on the same prompts; a pair with no common prompts has no line.
+    gain = "gain:     rl − sft: +0.061 ± 0.010 sampled, -0.004 ± 0.009 greedy (paired, 200 prompts)"
+    assert gain in text and "sft − base" not in text
     assert "plot:     file:///r/reward.png" in text
     assert "file:///runs/demo" in text and "http://127.0.0.1:4200/runs/flow-run/x" in text
     assert all(line == line.rstrip() for line in text.splitlines())
