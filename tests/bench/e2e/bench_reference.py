@@ -15,7 +15,13 @@ in the pipeline).
 The headline is the issue's test: the reference's held-out greedy reward at its last step, G;
 the first step and time at which primeflow's curve reaches G; and those over the reference's
 (issue 30's targets: ≤ 1.0× the steps and ≤ 0.5× the time). The figure puts greedy and sampled
-reward against step (left) and against wall time (right) for both.
+reward against step (left) and against wall time (right) for both. `--arm NAME=FLAGS` adds
+primeflow arms (one after another, each alone on the pool, from the same SFT policy) to the
+one TRL run, each with its own curve and headline (`headlines`), e.g. the next comparison:
+
+    python -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml \
+        --sft-steps 100 --steps 150 --trl-python python3 \
+        --arm 'on-policy=--orchestrator.max-async-level 0'
 
     python -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml \
         --sft-steps 100 --steps 300 --trl-python python3 --out reference.json
@@ -51,15 +57,21 @@ from tests.bench.e2e.bench_async import run_rl, save, train_sft
 from tests.bench.e2e.bench_trl import HERE, json_lines, write_prompts
 
 DEMO = Path(__file__).resolve().parents[3] / "configs/reverse_text/pipeline.toml"
+#: The name of primeflow's arm that runs the recipe as it is.
+PRIMEFLOW = "primeflow"
 
 
-def recipe(args: argparse.Namespace, workdir: Path) -> PrimeflowConfig:
+def recipe(
+    args: argparse.Namespace, workdir: Path, name: str = PRIMEFLOW, flags: Sequence[str] = ()
+) -> PrimeflowConfig:
+    """The recipe for primeflow's arm `name`: the config files, the run's bookkeeping, the
+    recipe's overrides (after `--`), then the arm's own `flags`."""
     files = [item for path in args.config for item in ("@", str(path))]
     config = load_config(
         [
             *files,
             "--storage.uri", f"file://{workdir}",
-            "--run.name", "primeflow",
+            "--run.name", name,
             "--max-steps", str(args.steps),
             "--sft.max-steps", str(args.sft_steps),
             # Keep a checkpoint every --eval-every steps for the evaluation afterwards.
@@ -67,6 +79,7 @@ def recipe(args: argparse.Namespace, workdir: Path) -> PrimeflowConfig:
             "--trainer.checkpoint.keep-last", "1",
             "--trainer.checkpoint.keep-every", str(args.eval_every),
             *args.overrides,
+            *flags,
         ]
     )  # fmt: skip
     # Every kept policy is evaluated afterwards: evaluations during RL (the demo's eval.interval)
@@ -145,6 +158,18 @@ def evaluate_kept(
     return curve
 
 
+def run_arm(
+    config: PrimeflowConfig, pool: InferencePool, sft: Path, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One primeflow arm from the SFT policy: its RL stage, then every kept policy evaluated."""
+    pool.reload(sft, version=0)
+    run_rl(config, pool, "trainer")
+    store = run_store(config)
+    every = {*range(args.eval_every, args.steps + 1, args.eval_every), args.steps}
+    kept = {0: sft, **{s: store.url(RunLayout.checkpoint_dir(s)) for s in sorted(every)}}
+    return evaluate_kept(config, pool, store, "held-out", kept, primeflow_clock(config))
+
+
 def reaching(curve: Sequence[dict[str, Any]], target: float) -> dict[str, Any] | None:
     """The first point of `curve` whose greedy reward reaches `target`."""
     return next((p for p in curve if p["greedy"] is not None and p["greedy"] >= target), None)
@@ -180,7 +205,9 @@ def figure_png(result: dict[str, Any], path: Path) -> None:
     figure = Figure(figsize=(12, 4.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     by_step, by_time = figure.subplots(1, 2, sharey=True)
-    for who, color in (("primeflow", "tab:blue"), ("reference", "tab:orange")):
+    arms = [*result["arms"], "reference"]
+    colors = ["tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    for who, color in zip(arms, [*colors[: len(arms) - 1], "tab:orange"], strict=True):
         for mode, style in (("greedy", "s-"), ("sampled", "o--")):
             points = [p for p in result[who] if p[mode] is not None]
             label = f"{who}, held-out {mode}"
@@ -208,6 +235,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--trl-python", required=True, help="the Python of an env with TRL")
     parser.add_argument("--trl-vllm", action="store_true", help="TRL generates with vLLM")
+    parser.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another primeflow arm on the same SFT checkpoint, e.g. "
+        "'on-policy=--orchestrator.max-async-level 0' (repeatable)",
+    )
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="the JSON (and, beside it, the .png)")
@@ -219,23 +254,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = Path(args.out).resolve() if args.out else workdir / "reference.json"
     config = recipe(args, workdir)
     sft_uri = args.sft_checkpoint or train_sft(config)
-    config = with_overrides(config, {"trainer.init_checkpoint": sft_uri})
+    init = {"trainer.init_checkpoint": sft_uri}
+    config = with_overrides(config, init)
     sft = local_checkpoint(sft_uri, default_cache_dir())
+    flags = {PRIMEFLOW: [], **{name: f.split() for name, f in (a.split("=", 1) for a in args.arm)}}
+    arms = {
+        name: config if name == PRIMEFLOW else with_overrides(recipe(args, workdir, name, f), init)
+        for name, f in flags.items()
+    }
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "sft_checkpoint": sft_uri,
         "steps": args.steps,
         "recipe": config.model_dump(mode="json", include={"trainer", "orchestrator", "eval"}),
+        "arms": flags,
     }
     with InferencePool.for_run(config, local_run_dir(config) / "logs") as pool:
-        pool.reload(sft, version=0)
-        run_rl(config, pool, "trainer")
-        store = run_store(config)
-        every = {*range(args.eval_every, args.steps + 1, args.eval_every), args.steps}
-        kept = {0: sft, **{s: store.url(RunLayout.checkpoint_dir(s)) for s in sorted(every)}}
-        clock = primeflow_clock(config)
-        result["primeflow"] = evaluate_kept(config, pool, store, "held-out", kept, clock)
-        save(result, str(out))
+        for name, arm in arms.items():
+            result[name] = run_arm(arm, pool, sft, args)
+            save(result, str(out))
         if not args.skip_reference:
             trl_clock, trl_kept = run_reference(args, config, sft, workdir)
             trl_store = ObjectStore(f"file://{workdir}/reference")
@@ -243,11 +280,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result["reference"] = evaluate_kept(
                 config, pool, trl_store, "held-out", policies, trl_clock
             )
-            result["headline"] = headline(result["primeflow"], result["reference"])
+            result["headline"] = headline(result[PRIMEFLOW], result["reference"])
+            result["headlines"] = {
+                name: headline(result[name], result["reference"]) for name in arms
+            }
     save(result, str(out))
     if "reference" in result:
         figure_png(result, out.with_suffix(".png"))
-    print(result.get("headline"))
+    print(result.get("headlines"))
     return result
 
 
