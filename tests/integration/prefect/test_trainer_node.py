@@ -8,8 +8,8 @@ from prefect.states import Completed, Running
 
 from engine.config import PrimeflowConfig
 from flows.pipeline import rl
+from flows.trainer_node import flow_run_config, follow, running_stage
 from tasks.stages import rl_loop, sft_warmup
-from tasks.trainer_node import flow_run_config, follow, running_stage
 
 pytestmark = pytest.mark.integration
 

@@ -34,7 +34,7 @@ def test_summary_lists_each_policy_stage_times_and_locations() -> None:
                     },
                 },
             }
-        ),  # fmt: skip
+        ),
     )
     text = render(results, k=1, temperature=1.0, ui_url="http://127.0.0.1:4200/runs/flow-run/x")
     rows = {line.split()[0]: line.split() for line in text.splitlines()[3:6]}

@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.trainer.pool import torchrun_command
-from tasks.trainer_node import NodeConfigError, follower_config, stage_of_task
+from flows.trainer_node import NodeConfigError, follower_config, stage_of_task
 
 
 def multi_node(endpoint: str = "localhost:29411", nnodes: int = 3) -> PrimeflowConfig:

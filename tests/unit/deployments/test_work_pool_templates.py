@@ -215,7 +215,7 @@ def test_slurm_script_runs_the_flow_here_and_srun_trainer_nodes_elsewhere() -> N
         "--kill-on-bad-exit=1",
         "python",
         "-m",
-        "tasks.trainer_node",
+        "flows.trainer_node",
         "&",
     ]
     assert lines.index(srun) < lines.index("prefect flow-run execute || status=$?")

@@ -12,7 +12,7 @@ The first node hosts the rendezvous (its config names `localhost:<port>` or its 
 the job template tells the other nodes where that node is through `PRIMEFLOW_RDZV_HOST`, and
 the port stays the config's.
 
-    python -m tasks.trainer_node            # flow run id from PREFECT__FLOW_RUN_ID
+    python -m flows.trainer_node            # flow run id from PREFECT__FLOW_RUN_ID
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def follow(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.trainer_node", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m flows.trainer_node", description=__doc__)
     parser.add_argument("--flow-run-id", type=UUID, default=os.environ.get(FLOW_RUN_ENV))
     parser.add_argument("--rdzv-host", default=os.environ.get(RDZV_HOST_ENV))
     parser.add_argument("--nnodes", type=int, default=os.environ.get(NNODES_ENV))
