@@ -32,6 +32,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the layering contracts in pyproject.toml
+	$(BIN)/mypy  # strict types of storage/ and engine/ ([tool.mypy] in pyproject.toml)
 
 # Every unit and integration test and the shortened end-to-end run; CI runs this.
 test: lint

@@ -223,7 +223,7 @@ class _SharedTrainer(_Trainer):
         self.cancel = cancel
         self.logs = run.logs
         self.store = run.store
-        self.pool = pool
+        self.serving = pool  # the shared inference pool: this tenant has no trainer pool
         self.progress = _Progress(run.store, ("rl", "orchestrator"), ProgressClock(config.watchdog))
         self.pools = config.pools.name
         self.files = TenantFiles(self.pools, config.run.name)
@@ -284,7 +284,7 @@ class _SharedTrainer(_Trainer):
         """Serve policy version `step`, the one the trainer (re)started from; one that is not
         committed yet (the trainer writes it in the background) is tried at the next poll."""
         try:
-            self.pool.reload(self.store.url(RunLayout.policy_dir(step)), step)
+            self.serving.reload(self.store.url(RunLayout.policy_dir(step)), step)
         except ReloadError as exc:
             self.logger.info("rl: policy version %d is not served yet: %s", step, exc)
             return

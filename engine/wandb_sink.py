@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.config.wandb import WandbConfig
+from engine.config.wandb import WandbConfig, WandbMode
 from storage.manifest import scrub_secrets
 
 #: Keys of a metric line that say where it belongs rather than what was measured.
@@ -31,12 +31,13 @@ class WandbUnavailableError(RuntimeError):
     """W&B logging is configured but the `wandb` package is not installed."""
 
 
-def wandb_mode(configured: str | None) -> str:
-    """The config's mode, else WANDB_MODE, else online with a key and offline without one."""
+def wandb_mode(configured: WandbMode | None) -> WandbMode | None:
+    """The config's mode; else None when WANDB_MODE is set, for `wandb.init` reads it itself (in
+    its own spellings, `dryrun` too); else online with a key and offline without one."""
     if configured:
         return configured
     if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+        return None
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 

@@ -126,9 +126,9 @@ def capture_stacks(
     processes = [p for pid in root_pids for p in process_tree(pid)]
     asked: dict[int, int] = {}  # pid -> size of its dump file before the request
     for process in processes:
-        dump = stacks_dir / dump_file_name(process.pid)
-        if dump.is_file():
-            asked[process.pid] = dump.stat().st_size
+        dump_path = stacks_dir / dump_file_name(process.pid)
+        if dump_path.is_file():
+            asked[process.pid] = dump_path.stat().st_size
             try:
                 os.kill(process.pid, DUMP_SIGNAL)
             except ProcessLookupError:

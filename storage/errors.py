@@ -17,7 +17,7 @@ class StorageError(Exception):
         self.uri = uri
         self.reason = reason
 
-    def __reduce__(self) -> tuple[type[StorageError], tuple[str, str]]:
+    def __reduce__(self) -> tuple[type[StorageError], tuple[object, ...]]:
         # Prefect and multiprocessing pickle exceptions; the default rebuilds from the message only.
         return type(self), (self.uri, self.reason)
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from storage.layout import RunLayout
 from storage.store import ObjectStore
@@ -192,4 +192,4 @@ def write_manifest(
 
 def read_manifest(store: ObjectStore) -> dict[str, Any]:
     """The run's manifest; `ObjectNotFoundError` when the run has none."""
-    return json.loads(store.read_bytes(RunLayout.MANIFEST))
+    return cast(dict[str, Any], json.loads(store.read_bytes(RunLayout.MANIFEST)))

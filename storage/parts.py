@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from storage.commit import FileDigest
 from storage.errors import ObjectNotFoundError, StepTimeoutError
@@ -67,7 +67,7 @@ def wait_for_parts(
 
 def _read_part(store: ObjectStore, path: str) -> dict[str, Any] | None:
     try:
-        return json.loads(store.read_bytes(path))
+        return cast(dict[str, Any], json.loads(store.read_bytes(path)))
     except ObjectNotFoundError:
         return None
 

@@ -29,7 +29,6 @@ from safetensors.torch import load as load_safetensors
 from storage.commit import (
     FileDigest,
     HashingWriter,
-    NotCommittedError,
     committed_steps,
     delete_step,
     read_commit,
@@ -43,6 +42,7 @@ from storage.deltas import (
     is_delta_file,
     read_delta_file,
 )
+from storage.errors import NotCommittedError
 from storage.layout import RunLayout
 from storage.paths import join
 from storage.retention import steps_to_delete

@@ -46,7 +46,7 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int) -> float:
         """Exponential backoff with jitter, so that many clients throttled together spread out."""
-        base = min(self.backoff_s * 2**attempt, _MAX_DELAY_S)
+        base = min(self.backoff_s * 2.0**attempt, _MAX_DELAY_S)
         return base * random.uniform(0.5, 1.5)
 
     def call(self, uri: str, fn: Callable[[], T], *, writing: bool = False) -> T:

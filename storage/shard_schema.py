@@ -163,7 +163,9 @@ def _check_nulls(batch: pa.RecordBatch, step: int | None) -> _Problem | None:
     for name in ROLLOUT_SCHEMA.names:
         column = batch.column(name)
         if column.null_count:
-            return _first(column.is_null()), name, "is null"
+            row = _first(column.is_null())
+            assert row is not None  # null_count > 0: some row is null
+            return row, name, "is null"
         if pa.types.is_list(column.type) or pa.types.is_map(column.type):
             values = _list_values(column)
             items = pc.list_flatten(values)

@@ -20,6 +20,7 @@ memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -131,7 +132,7 @@ def write_rollouts(
         path = join(step_dir, name)
         if store.protocol == "file":
             digests[name] = write_hashed(
-                store, path, lambda out, part=part: _encode_into(out, part, options)
+                store, path, functools.partial(_encode_into, table=part, options=options)
             )
         else:
             data = memoryview(_encode(part, options))

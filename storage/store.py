@@ -9,6 +9,7 @@ also a `FileNotFoundError`.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import errno
 import functools
@@ -19,7 +20,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, Protocol, TypeVar, cast
 
 from storage.backends import Backend, open_backend
 from storage.errors import is_missing_object
@@ -41,8 +42,10 @@ class ChunkObserver(Protocol):
 TMP_PREFIX = ".primeflow-tmp-"
 
 
-def _replace_atomically(target: str, fill: Callable[[str], None]) -> None:
+def _replace_atomically(target: str, fill: Callable[[str], object]) -> None:
     """Create local file `target` via a temporary sibling and `os.replace`.
+
+    `fill` writes the temporary file at the path it is given; what it returns is ignored.
 
     Readers see the old file or the complete new one, never a partial write, because a
     rename within one folder is atomic.
@@ -70,7 +73,7 @@ _LOCAL_CHUNK = 2**20
 _REMOTE_CHUNK = 8 * 2**20
 
 
-def _copy_observed(source: IO[bytes], target: str, observer: ChunkObserver, chunk: int) -> None:
+def _copy_observed(source: io.FileIO, target: str, observer: ChunkObserver, chunk: int) -> None:
     """Copy local file `source` into the new file `target`, feeding each chunk to `observer`."""
     buffer = memoryview(bytearray(chunk))
     with open(target, "wb") as out:
@@ -148,7 +151,7 @@ class ObjectStore:
         store._backend = Backend(self._backend.fs, self.protocol, self._backend.full_path(sub))
         return store
 
-    def _call(self, path: str, fn: Callable[[str], Any], *, writing: bool = False) -> Any:
+    def _call(self, path: str, fn: Callable[[str], T], *, writing: bool = False) -> T:
         """Run `fn(full_path)` under the retry policy, with errors naming `path`'s URI."""
         clean = clean_path(path)
         return self._policy.call(
@@ -218,18 +221,18 @@ class ObjectStore:
 
     def read_bytes(self, path: str) -> bytes:
         """The whole object."""
-        return self._call(path, lambda full: self._backend.fs.cat_file(full))
+        return cast(bytes, self._call(path, lambda full: self._backend.fs.cat_file(full)))
 
     def open_input(self, path: str) -> IO[bytes]:
         """A readable binary stream over the object, for reading it in pieces; close it after.
 
         Only opening is retried: a fault while reading surfaces as the backend raised it.
         """
-        return self._call(path, lambda full: self._backend.fs.open(full, "rb"))
+        return cast(IO[bytes], self._call(path, lambda full: self._backend.fs.open(full, "rb")))
 
     def exists(self, path: str) -> bool:
         """True when `path` is an object or a non-empty prefix."""
-        return self._call(path, lambda full: self._backend.fs.exists(full))
+        return cast(bool, self._call(path, lambda full: self._backend.fs.exists(full)))
 
     def size(self, path: str) -> int:
         """Size of the object in bytes."""
@@ -250,7 +253,8 @@ class ObjectStore:
 
         return sorted(name for name in self._call(prefix, names) if not _is_hidden(name))
 
-    def walk_files(self, prefix: str = "") -> list[str]:
+    # `list` below names the method above: the builtin is spelled `builtins.list` in this class.
+    def walk_files(self, prefix: str = "") -> builtins.list[str]:
         """Sorted paths (relative to this store's root) of every object below `prefix`."""
         found = self._call(prefix, lambda full: self._backend.fs.find(full))
         paths = (self._backend.relative(entry) for entry in found)

@@ -145,7 +145,7 @@ def _plan(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[lis
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's own memory as bytes, without a copy (it is contiguous on the CPU)."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def safetensors_pieces(

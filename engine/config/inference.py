@@ -12,7 +12,7 @@ from engine.placement import parse_cores
 
 #: The adapter ranks vLLM can serve (its `--max-lora-rank` choices).
 _LoraRanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
-LORA_RANKS: tuple[int, ...] = get_args(_LoraRanks)
+LORA_RANKS: tuple[_LoraRanks, ...] = get_args(_LoraRanks)
 
 
 def _integer_text(value: object) -> object:

@@ -213,7 +213,9 @@ def load_config(args: Sequence[str], *, prog: str = "primeflow <command>") -> Pr
     layers.append((COMMAND_LINE, _flag_paths(flags)))
     cli_args = [token for path in files for token in ("@", path)] + flags
     try:
-        return cli(PrimeflowConfig, args=cli_args, prog=prog)
+        # pydantic_config's overloads leave out `prog`, which its `cli` takes.
+        config: PrimeflowConfig = cli(PrimeflowConfig, args=cli_args, prog=prog)  # type: ignore[call-overload]
+        return config
     except ConfigFileError as exc:
         if isinstance(exc.__cause__, ValidationError):
             raise ConfigError(format_validation_error(exc.__cause__, layers)) from None

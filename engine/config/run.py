@@ -19,16 +19,15 @@ def default_run_name() -> str:
 class RunConfig(BaseConfig):
     """Identity of one run: `<storage.uri>/<run.name>` is its root."""
 
-    name: Annotated[
-        str,
-        Field(
-            default_factory=default_run_name,
-            description=(
-                "Run name: letters, digits, '.', '_' and '-'. Reusing a name resumes that run "
-                "from its last committed step. Default: run-<UTC time>."
-            ),
+    # `= Field(...)`, not `Annotated[..., Field(...)]`: type checkers see a default only there,
+    # and `RunConfig()` (the root's default factory) must type-check without a name.
+    name: str = Field(
+        default_factory=default_run_name,
+        description=(
+            "Run name: letters, digits, '.', '_' and '-'. Reusing a name resumes that run "
+            "from its last committed step. Default: run-<UTC time>."
         ),
-    ]
+    )
     seed: Annotated[int, Field(ge=0, description="Seed for data order, sampling and init.")] = 0
     parent: Annotated[
         str | None,

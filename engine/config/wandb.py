@@ -9,6 +9,9 @@ from pydantic import Field
 
 from engine.config.base import BaseConfig
 
+#: The run modes a config may name (a subset of `wandb.init`'s).
+WandbMode = Literal["online", "offline", "disabled"]
+
 
 class WandbConfig(BaseConfig):
     """Where metric lines go in W&B. Needs the `wandb` extra: pip install 'primeflow[wandb]'."""
@@ -20,7 +23,7 @@ class WandbConfig(BaseConfig):
         str | None, Field(description="W&B team or user; None: the key's default entity.")
     ] = None
     mode: Annotated[
-        Literal["online", "offline", "disabled"] | None,
+        WandbMode | None,
         Field(
             description=(
                 "None: WANDB_MODE if set, else online when WANDB_API_KEY is set and offline "

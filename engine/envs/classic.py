@@ -45,7 +45,7 @@ def no_signal_handlers() -> Iterator[None]:
     from verifiers.legacy.envs import environment
 
     real = environment.signal
-    environment.signal = SimpleNamespace(  # type: ignore[attr-defined]
+    environment.signal = SimpleNamespace(
         signal=lambda *_: None,
         SIGINT=real.SIGINT,
         SIGTERM=real.SIGTERM,
@@ -54,7 +54,7 @@ def no_signal_handlers() -> Iterator[None]:
     try:
         yield
     finally:
-        environment.signal = real  # type: ignore[attr-defined]
+        environment.signal = real
 
 
 class _DatasetTasks(Sequence[Task]):

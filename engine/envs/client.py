@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import verifiers as vf
 
@@ -115,7 +115,7 @@ class SamplerClient(vf.Client):
 
     @property
     def generator(self) -> TurnGenerator:
-        return self.client
+        return cast(TurnGenerator, self.client)  # what __init__ handed vf.Client
 
     def setup_client(self, config: vf.ClientConfig) -> TurnGenerator:
         raise TypeError("SamplerClient wraps a TurnGenerator; it is not built from a config")
@@ -123,7 +123,9 @@ class SamplerClient(vf.Client):
     async def to_native_tool(self, tool: vf.Tool) -> dict[str, Any]:
         return native_tool(tool)
 
-    async def to_native_prompt(self, messages: vf.Messages) -> tuple[list[dict[str, Any]], dict]:
+    async def to_native_prompt(
+        self, messages: vf.Messages
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return [to_chat_message(message) for message in messages], {}
 
     async def get_native_response(

@@ -71,7 +71,9 @@ class CoalescingSampler:
         merged.request.add_done_callback(lambda done: _settle(merged.samples, done))
 
 
-def _settle(samples: asyncio.Future[Sequence[Sample]], request: asyncio.Task) -> None:
+def _settle(
+    samples: asyncio.Future[Sequence[Sample]], request: asyncio.Task[Sequence[Sample]]
+) -> None:
     """Hand the request's outcome to the callers waiting on `samples`."""
     if samples.done():
         return

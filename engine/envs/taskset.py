@@ -104,7 +104,9 @@ class TasksetEnvironment(Environment):
         ]
 
     @classmethod
-    def load(cls, module: ModuleType, taskset_id: str, args: dict[str, Any], name: str):
+    def load(
+        cls, module: ModuleType, taskset_id: str, args: dict[str, Any], name: str
+    ) -> TasksetEnvironment:
         """The taskset `module` exports, configured from `args` (its `TasksetConfig` fields)."""
         if exported(module, vf1.Env):
             raise ValueError(
@@ -143,7 +145,9 @@ class TasksetEnvironment(Environment):
     def _empty(self, task: Task, **fields: Any) -> Rollout:
         return Rollout(env=self.name, example_id=task.example_id, turns=[], **fields)
 
-    async def _play(self, task: Task, generator: TurnGenerator, sampling: SamplingConfig):
+    async def _play(
+        self, task: Task, generator: TurnGenerator, sampling: SamplingConfig
+    ) -> Rollout:
         turn = await generator.generate(task.prompt, sampling)
         rollout = Rollout(env=self.name, example_id=task.example_id, turns=[turn])
         v1_task: vf1.Task = task.payload

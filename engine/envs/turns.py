@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from engine.config.orchestrator import SamplingConfig
 from engine.envs.coalescing import CoalescingSampler
@@ -72,20 +72,21 @@ class ChatTokenizer:
         generation_prompt: bool = True,
     ) -> str:
         """The chat template applied to `messages` (ending in the generation prompt)."""
-        return self._tokenizer.apply_chat_template(
+        text = self._tokenizer.apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=generation_prompt,
             tokenize=False,
             **self._template_kwargs,
         )
+        return cast(str, text)  # tokenize=False: the rendered text
 
     def encode(self, text: str) -> list[int]:
         # The template already wrote any BOS/special tokens as text; adding more would double them.
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return cast(str, self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
 
 def continuation(

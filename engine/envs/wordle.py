@@ -146,7 +146,8 @@ class WordleEnv(vf.MultiTurnEnv):
         if not state["trajectory"]:
             return False
         reply = state["trajectory"][-1]["completion"][-1]
-        return parse_guess(reply.get("content") or "") == state["info"]["secret"]
+        secret: str = state["info"]["secret"]
+        return parse_guess(reply.get("content") or "") == secret
 
     async def env_response(
         self, messages: vf.Messages, state: vf.State, **kwargs: Any
@@ -202,7 +203,7 @@ def load_environment(
         played = _guesses(completion)
         for guess in played:
             allowed += guess in consistent(candidates, history)
-            if guess in candidates:
+            if guess is not None and guess in candidates:
                 history.append((guess, marks(guess, secret)))
         return allowed / len(played) if played else 0.0
 

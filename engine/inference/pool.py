@@ -24,6 +24,7 @@ import httpx
 
 from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
+from engine.config.model import looks_like_path
 from engine.config.run import StorageConfig
 from engine.inference.adapters import AdapterLineage
 from engine.inference.checkpoints import check_compatible
@@ -47,7 +48,7 @@ from engine.local_checkpoints import (
     local_checkpoint,
     version_chain,
 )
-from engine.models.resolve import ModelPathError, looks_like_path, resolve_model
+from engine.models.resolve import ModelPathError, resolve_model
 from engine.models.tiny import default_cache_dir
 from storage.checkpoints import base_model_of, is_adapter
 

@@ -273,7 +273,10 @@ def checkpoint_names(served: str, packed: dict[str, list[str]]) -> list[str]:
 
 
 def expected_served(
-    served: str, shape: tuple[int, ...], tensors: dict[str, torch.Tensor], packed: dict
+    served: str,
+    shape: tuple[int, ...],
+    tensors: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
 ) -> torch.Tensor | None:
     """What parameter `served` of `shape` must hold after loading `tensors`; None if not there.
 
@@ -291,7 +294,9 @@ def expected_served(
 
 
 def compare_served(
-    params: Iterator[tuple[str, torch.Tensor]], tensors: dict[str, torch.Tensor], packed: dict
+    params: Iterator[tuple[str, torch.Tensor]],
+    tensors: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
 ) -> dict[str, object]:
     """Compare each served parameter with the checkpoint, cast to the parameter's dtype.
 

@@ -12,12 +12,13 @@ results go to `results.arrow` and the numbers to `summary.json`, committed toget
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from engine.config.evaluation import EvalConfig
 from engine.config.orchestrator import SamplingConfig
@@ -106,7 +107,9 @@ async def play(
     return [item for group in groups for item in group]
 
 
-def rows(scored: Sequence[Scored], mode: str, sampling: SamplingConfig, decode: Any) -> list[dict]:
+def rows(
+    scored: Sequence[Scored], mode: str, sampling: SamplingConfig, decode: Any
+) -> list[dict[str, Any]]:
     """`EVAL_SCHEMA` rows: the decoded prompt and completion beside each score."""
     out = []
     for item in scored:
@@ -165,7 +168,7 @@ def decoder(tokenizer: Any) -> Decode:
     """Token ids → text with special tokens kept (results show the raw completion)."""
 
     def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        return cast(str, tokenizer.decode(ids, skip_special_tokens=False))
 
     return decode
 
@@ -177,26 +180,29 @@ async def evaluate_envs(
     decode: Decode,
     *,
     num_examples: int | None = None,
-) -> tuple[list[dict], dict[str, dict]]:
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Every environment's held-out tasks, sampled k times and (when asked) once greedily,
     both at once: the result rows and each environment's summary. `num_examples` overrides
     the config's (evaluations during RL take fewer)."""
     k = config.rollouts_per_example
-    results: list[dict] = []
-    per_env: dict[str, dict] = {}
+    results: list[dict[str, Any]] = []
+    per_env: dict[str, dict[str, Any]] = {}
     for entry in entries:
         threshold = (
             config.pass_threshold if config.pass_threshold is not None else entry.env.pass_threshold
         )
-        common = {
-            "num_examples": num_examples or config.num_examples,
-            "max_concurrent": config.max_concurrent,
-            "threshold": threshold,
-        }
+        play_env = functools.partial(
+            play,
+            entry.env,
+            generator,
+            num_examples=num_examples or config.num_examples,
+            max_concurrent=config.max_concurrent,
+            threshold=threshold,
+        )
         greedy_sampling = entry.sampling.model_copy(update={"temperature": 0.0})
-        plays = [play(entry.env, generator, entry.sampling, k=k, **common)]
+        plays = [play_env(entry.sampling, k=k)]
         if config.greedy:
-            plays.append(play(entry.env, generator, greedy_sampling, k=1, **common))
+            plays.append(play_env(greedy_sampling, k=1))
         sampled, *greedy = await asyncio.gather(*plays)
         per_env[entry.env.name] = {**summarize(sampled, k), "pass_threshold": threshold}
         results += rows(sampled, "sampled", entry.sampling, decode)

@@ -128,7 +128,7 @@ class Orchestrator:
         self._served_uid: str | None = None
         self.online_eval = online_eval
         #: The held-out evaluation of the served policy, while one runs (no reload meanwhile).
-        self._evaluation: asyncio.Task[dict] | None = None
+        self._evaluation: asyncio.Task[dict[str, float]] | None = None
         self._last_evaluated = online_eval.last_done(store) if online_eval else None
         # Seconds of the step being built: reloads that ended in it (and their phases, as the
         # pool measures them), blocked on the policy.

@@ -125,16 +125,17 @@ def evaluate_policy(
     eval_config = config.eval
     entries = mix_entries(eval_config.envs, eval_config.sampling)
     tokenizer = load_tokenizer(config)
-    assert config.orchestrator.seq_len is not None
+    seq_len = config.orchestrator.seq_len
+    assert seq_len is not None
     if step != pool.policy_version:
         uri = stage_store(store, stage).url(RunLayout.checkpoint_dir(step))
         pool.reload(uri, version=step)
 
-    async def main() -> tuple[list[dict], dict[str, dict]]:
+    async def main() -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
         async with InferenceClient.from_pool(
             pool, max_concurrent=eval_config.max_concurrent
         ) as client:
-            generator = TurnGenerator(client, ChatTokenizer(tokenizer), config.orchestrator.seq_len)
+            generator = TurnGenerator(client, ChatTokenizer(tokenizer), seq_len)
             return await evaluate_envs(eval_config, entries, generator, decoder(tokenizer))
 
     results, per_env = asyncio.run(main())

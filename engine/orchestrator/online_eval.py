@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config.evaluation import EvalConfig
 from engine.envs import MixEntry, TurnGenerator
@@ -37,7 +38,7 @@ def is_due(version: int, last: int | None, interval: int) -> bool:
     return last is None or version // interval > last // interval
 
 
-def flat_numbers(summary: dict) -> dict[str, float]:
+def flat_numbers(summary: dict[str, Any]) -> dict[str, float]:
     """The summary's numbers as one flat metric line: headline means, then per environment
     (`eval/<env>/avg@2`, `eval/<env>/greedy/avg@1`, ...)."""
     line: dict[str, float] = {}
@@ -72,7 +73,9 @@ class OnlineEval:
         """The newest version evaluated before (a resumed run goes on from there)."""
         return latest_metric_step(store, ONLINE_EVAL_STAGE)
 
-    async def run(self, generator: TurnGenerator, store: ObjectStore, version: int) -> dict:
+    async def run(
+        self, generator: TurnGenerator, store: ObjectStore, version: int
+    ) -> dict[str, float]:
         """Evaluate policy `version` (what the pool serves, held there by the caller) and
         write its metric line; the line."""
         results, per_env = await evaluate_envs(

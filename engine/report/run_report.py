@@ -217,8 +217,11 @@ def samples_markdown(
 # ----------------------------------------------------------------------------- plot
 
 
-def _series(lines: Sequence[Mapping[str, Any]], key: str, offset: int = 0) -> tuple[list, list]:
-    xs, ys = [], []
+def _series(
+    lines: Sequence[Mapping[str, Any]], key: str, offset: int = 0
+) -> tuple[list[int], list[float]]:
+    xs: list[int] = []
+    ys: list[float] = []
     for line in lines:
         value = line.get(key)
         if isinstance(value, int | float) and math.isfinite(value):
@@ -287,10 +290,10 @@ def _draw_evals(
     for mode, entries in points.items():
         for x, value, name in entries:
             by_policy.setdefault(name, []).append((mode, x - shift, value["mean"]))
-    for name, entries in by_policy.items():
-        entries.sort(key=lambda entry: entry[2])
-        for rank, (mode, x, mean) in enumerate(entries):
-            above = rank == len(entries) - 1
+    for name, marks in by_policy.items():
+        marks.sort(key=lambda mark: mark[2])
+        for rank, (mode, x, mean) in enumerate(marks):
+            above = rank == len(marks) - 1
             ax.annotate(
                 f"{name} {mean:.3f}",
                 (x, mean),
@@ -387,9 +390,9 @@ def reward_figure(
     reward_ax.set_xlabel(f"step (SFT 1-{sft_steps} shaded, then RL)" if sft_steps else "RL step")
     zoom_ax.set_xlabel("RL step (SFT result at 0)")
     zoom_ax.set_title("RL steps", fontsize=10)
-    for ax, where in ((reward_ax, "lower right"), (zoom_ax, "lower right")):
+    for ax in (reward_ax, zoom_ax):
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc=where, fontsize=7)
+            ax.legend(loc="lower right", fontsize=7)
 
     xs, ys = _series(metrics.get("sft", []), "loss")
     if xs:

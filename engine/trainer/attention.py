@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,13 +33,12 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+varlen_attn: Callable[..., Tensor | tuple[Tensor, Tensor]] | None
 try:  # PyTorch ≥ 2.9 ships FlashAttention-2 varlen; older builds fall back to the mask path.
     from torch.nn.attention.varlen import varlen_attn
-
-    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
-    _VARLEN_PARAMS = frozenset()
+_VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters if varlen_attn else ())
 
 ATTENTION_NAME = "primeflow_packed"
 CU_SEQLENS = "primeflow_cu_seqlens"
@@ -115,7 +114,10 @@ def _varlen(
             groups = query.shape[1] // key.shape[1]
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
-    return varlen_attn(query, key, value, cu, cu, max_len, max_len, **extra)
+    assert varlen_attn is not None  # packed_attention takes this path only where it exists
+    out = varlen_attn(query, key, value, cu, cu, max_len, max_len, **extra)
+    assert isinstance(out, Tensor)  # a tuple only with return_aux, which is not asked for
+    return out
 
 
 def packed_attention(
@@ -133,11 +135,11 @@ def packed_attention(
     scale = scaling if scaling is not None else head_dim**-0.5
     cu = kwargs.get(CU_SEQLENS)
     if cu is not None:
-        flat = [
+        flat_q, flat_k, flat_v = (
             t.transpose(1, 2).reshape(batch * seq_len, t.shape[1], head_dim)
             for t in (query, key, value)
-        ]
-        out = _varlen(*flat, cu, kwargs[MAX_LEN], scale)
+        )
+        out = _varlen(flat_q, flat_k, flat_v, cu, kwargs[MAX_LEN], scale)
         return out.view(batch, seq_len, heads, head_dim), None
     mask = kwargs.get(DOC_MASK)
     if key.shape[1] != heads:

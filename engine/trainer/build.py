@@ -68,7 +68,10 @@ def model_assets(name: str, revision: str | None) -> dict[str, bytes]:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
         with contextlib.suppress(OSError):
-            generation = GenerationConfig.from_pretrained(resolve_model(name), revision=revision)
+            generation = GenerationConfig.from_pretrained(
+                resolve_model(name),
+                revision=revision or "main",  # transformers' default
+            )
             generation.save_pretrained(str(folder))
         return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
 
@@ -101,7 +104,9 @@ class Trainer:
         share = rank_share(rows, self.dist.rank, self.dist.world_size, per_micro)
         return micro_batches(share, per_micro), int(rows.loss_mask.sum())
 
-    def step(self, samples: Sequence[Sample], loss_fn: LossFn, optim: OptimizerConfig) -> dict:
+    def step(
+        self, samples: Sequence[Sample], loss_fn: LossFn, optim: OptimizerConfig
+    ) -> dict[str, float]:
         batches, loss_tokens = self.pack(samples)
         return train_step(
             self.ctx,

@@ -30,12 +30,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    OptimizerStateType,
     StateDictOptions,
+    ValueType,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -137,7 +139,8 @@ def model_tensors(policy: PolicyModel) -> list[tuple[str, torch.Tensor]]:
     """The (sharded) parameters and buffers a checkpoint stores, by name: all of them, or a
     LoRA run's adapters alone (the base is never rewritten); a tied LM head is stored once, as
     Hugging Face does. Named once per stage: naming them costs milliseconds."""
-    state = get_model_state_dict(policy, options=_SHARDED)
+    # Typed as any state value: a module's state dict holds tensors only.
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(policy, options=_SHARDED))
     if policy.lora is not None:
         return [(name, state[name]) for name, _ in policy.trainable()]
     tied = tied_head_key(policy)
@@ -393,7 +396,7 @@ def load_adapter(policy: PolicyModel, weights: Mapping[str, torch.Tensor]) -> No
     base weights stay as loaded."""
     if policy.lora is None:
         raise ValueError("an adapter can only be loaded into a policy built with trainer.lora")
-    adapter = {trainer_name(name): tensor for name, tensor in weights.items()}
+    adapter: dict[str, ValueType] = {trainer_name(name): tensor for name, tensor in weights.items()}
     expected = {name for name, _ in policy.trainable()}
     if set(adapter) != expected:
         missing, extra = sorted(expected - set(adapter)), sorted(set(adapter) - expected)
@@ -430,11 +433,21 @@ def load_checkpoint(
         tied = tied_head_key(policy)
         if tied is not None:
             weights[tied] = weights[_embedding_key(policy)]
-        set_model_state_dict(policy, weights, options=StateDictOptions(full_state_dict=True))
+        # The casts: torch types state dicts as dicts of any state value (invariant), and ours
+        # hold tensors.
+        set_model_state_dict(
+            policy,
+            cast(dict[str, ValueType], weights),
+            options=StateDictOptions(full_state_dict=True),
+        )
+    optimizer_state = {
+        "state": _optimizer_state(state.tensors),
+        "param_groups": progress["param_groups"],
+    }
     set_optimizer_state_dict(
         policy,
         optimizer,
-        {"state": _optimizer_state(state.tensors), "param_groups": progress["param_groups"]},
+        cast(OptimizerStateType, optimizer_state),
         options=StateDictOptions(full_state_dict=True),
     )
     scheduler.load_state_dict(progress["scheduler"])
@@ -443,4 +456,4 @@ def load_checkpoint(
         cuda = state.tensors.get(f"{RNG_PREFIX}rank{dist_info.rank}/cuda")
         if dist_info.device.type == "cuda" and cuda is not None:
             torch.cuda.set_rng_state(cuda, dist_info.device)
-    return progress["data"]
+    return cast(dict[str, Any], progress["data"])

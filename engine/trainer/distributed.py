@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,12 @@ def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistI
         else:
             # A group of one needs no rendezvous: an in-memory store, no port to collide on.
             dist.init_process_group(
-                name, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+                name,
+                # torch.distributed imports HashStore without marking it as exported.
+                store=dist.HashStore(),  # type: ignore[attr-defined]
+                rank=0,
+                world_size=1,
+                device_id=device_id,
             )
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,))
@@ -113,7 +118,7 @@ def from_main(value: T, dist_info: DistInfo) -> T:
         return value
     box: list[Any] = [value if dist_info.is_main else None]
     dist.broadcast_object_list(box, src=0, device=dist_info.device)
-    return box[0]
+    return cast(T, box[0])  # rank 0's value, a T
 
 
 def shared_uid(dist_info: DistInfo) -> str:

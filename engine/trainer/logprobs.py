@@ -14,6 +14,7 @@ log-probs (and the importance ratio built on them) must use the same τ_t.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,10 +71,10 @@ def _grad_logits_with_entropy(
 # bf16 logits instead of ~10 passes over fp32 copies, which is most of the LM head's cost.
 # The last chunk's length follows the step's token count: after the first two lengths torch
 # compiles for any length (a graph per length would recompile in most steps).
-_FUSED: dict[str, object] = {}
+_FUSED: dict[str, Callable[..., Any]] = {}
 
 
-def _fused(name: str, fn: object, device: torch.device) -> object:
+def _fused(name: str, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
     if device.type != "cuda":
         return fn
     if name not in _FUSED:
@@ -99,7 +100,7 @@ class _TargetLogProbs(torch.autograd.Function):
         for start in range(0, num_tokens, chunk):
             end = min(start + chunk, num_tokens)
             logits = hidden[start:end] @ weight.t()
-            logprobs[start:end], entropy[start:end] = stats(  # type: ignore[operator]
+            logprobs[start:end], entropy[start:end] = stats(
                 logits, targets[start:end], inv_temp[start:end]
             )
         ctx.save_for_backward(hidden, weight, targets, inv_temp)
@@ -124,13 +125,19 @@ class _TargetLogProbs(torch.autograd.Function):
             end = min(start + ctx.chunk, hidden.shape[0])
             logits = hidden[start:end] @ weight.t()
             extra = () if grad_entropy is None else (grad_entropy[start:end],)
-            grad_logits = grad_fn(  # type: ignore[operator]
+            grad_logits = grad_fn(
                 logits, targets[start:end], inv_temp[start:end], grad_logprobs[start:end], *extra
             )
             grad_hidden[start:end] = grad_logits @ weight
             # Low-precision matmul (fp32 accumulate inside), chunk partial sums added in fp32.
             grad_weight += (grad_logits.t() @ hidden[start:end]).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+#: `_TargetLogProbs.apply` with its types (torch leaves `Function.apply` unannotated).
+_target_logprobs: Callable[[Tensor, Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]] = (
+    _TargetLogProbs.apply
+)
 
 
 def target_logprobs(
@@ -147,4 +154,4 @@ def target_logprobs(
     """
     chunk = chunk_size(hidden.shape[0], weight.shape[0], chunk_elements)
     inv_temp = temperatures.float().reciprocal()
-    return _TargetLogProbs.apply(hidden, weight, targets, inv_temp, chunk)
+    return _target_logprobs(hidden, weight, targets, inv_temp, chunk)

@@ -39,7 +39,8 @@ def peft_config(config: LoraConfig, base_model: str | None = None) -> PeftLoraCo
     """PEFT's config for `config` (no bias, no extra trained modules: what vLLM serves)."""
     return PeftLoraConfig(
         r=config.rank,
-        lora_alpha=config.alpha,
+        # PEFT annotates lora_alpha as int, but scales by alpha / r: a float alpha works.
+        lora_alpha=config.alpha,  # type: ignore[arg-type]
         lora_dropout=config.dropout,
         target_modules=list(config.target_modules),
         bias="none",

@@ -16,7 +16,7 @@ def flops_per_token(config: PretrainedConfig, num_parameters: int, seq_len: int)
     """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
-    return 6 * num_parameters + attention
+    return float(6 * num_parameters + attention)
 
 
 def measure_bf16_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
@@ -31,5 +31,5 @@ def measure_bf16_peak(device: torch.device, size: int = 8192, repeats: int = 10)
         a @ b
     end.record()
     torch.cuda.synchronize(device)
-    seconds = start.elapsed_time(end) / 1000 / repeats
+    seconds = float(start.elapsed_time(end)) / 1000 / repeats
     return 2 * size**3 / seconds

@@ -75,9 +75,10 @@ def causal_lm_from_config(config: PretrainedConfig, seed: int = 0) -> PreTrained
     """fp32 HF model with random weights (benchmarks and tests of a model's shape)."""
     torch.manual_seed(seed)
     config.use_cache = False
-    return AutoModelForCausalLM.from_config(
+    model = AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, attn_implementation=ATTENTION_NAME
     )
+    return cast(PreTrainedModel, model)
 
 
 class PolicyModel(nn.Module):
@@ -101,15 +102,15 @@ class PolicyModel(nn.Module):
         self.add_module(head_name, head)
         self.head_name = head_name
         self.config = causal_lm.config
-        self.adapter_base = causal_lm.config.name_or_path
+        self.adapter_base = causal_lm.config.name_or_path or ""  # '' unless loaded from one
 
     @property
-    def base(self) -> nn.Module:
-        return getattr(self, self.base_name)
+    def base(self) -> PreTrainedModel:
+        return cast(PreTrainedModel, getattr(self, self.base_name))  # the causal LM's decoder
 
     @property
     def head(self) -> nn.Linear:
-        return getattr(self, self.head_name)
+        return cast(nn.Linear, getattr(self, self.head_name))  # checked in __init__
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters the optimizer steps: every one, or a LoRA run's adapters."""

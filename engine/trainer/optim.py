@@ -15,13 +15,14 @@ def build_optimizer(policy: PolicyModel, config: OptimizerConfig, device: torch.
     params = [p for _, p in policy.trainable()]
     matrices = [p for p in params if p.ndim >= 2]
     vectors = [p for p in params if p.ndim < 2]
+    beta1, beta2 = config.betas  # the config holds exactly two
     return AdamW(
         [
             {"params": matrices, "weight_decay": config.weight_decay},
             {"params": vectors, "weight_decay": 0.0},
         ],
         lr=config.lr,
-        betas=config.betas,
+        betas=(beta1, beta2),
         eps=config.eps,
         fused=device.type == "cuda",
     )

@@ -57,9 +57,9 @@ def samples_from_rollouts(
     temperatures = table.column("temperature").to_numpy().astype(np.float64)
     lengths = np.diff(offsets)
     if len(token_ids) and token_ids.max() >= vocab_size:
-        row = int(np.searchsorted(offsets, np.argmax(token_ids >= vocab_size), side="right")) - 1
+        bad = int(np.searchsorted(offsets, np.argmax(token_ids >= vocab_size), side="right")) - 1
         raise RolloutDataError(
-            f"rollouts step {step}, row {row}: token id {token_ids.max()} is outside the model's "
+            f"rollouts step {step}, row {bad}: token id {token_ids.max()} is outside the model's "
             f"vocabulary (size {vocab_size}); were the rollouts made with another model?"
         )
     if (row := _first(lengths == 0)) is not None:

@@ -28,7 +28,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -78,8 +78,8 @@ def _render(
     if not messages:
         return []
     ids = tokenizer.apply_chat_template(
-        list(messages),
-        tools=list(tools) if tools else None,
+        [dict(message) for message in messages],
+        tools=[dict(tool) for tool in tools] if tools else None,
         tokenize=True,
         add_generation_prompt=gen,
         return_dict=False,
@@ -156,7 +156,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     lower = path.lower()
     if lower.endswith((".jsonl", ".json")):
         text = _read_bytes(path).decode("utf-8")
-        rows = []
+        rows: list[dict[str, Any]] = []
         for number, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
@@ -165,14 +165,16 @@ def read_rows(path: str) -> list[dict[str, Any]]:
                     raise SftDataError(f"{path}:{number}: not JSON: {exc}") from None
         return rows
     if lower.endswith(".parquet"):
-        return pq.read_table(io.BytesIO(_read_bytes(path))).to_pylist()
-    if lower.endswith((".arrow", ".feather", ".ipc")):
+        table = pq.read_table(io.BytesIO(_read_bytes(path)))
+    elif lower.endswith((".arrow", ".feather", ".ipc")):
         data = pa.py_buffer(_read_bytes(path))
         try:
-            return ipc.open_file(data).read_all().to_pylist()
+            table = ipc.open_file(data).read_all()
         except pa.ArrowInvalid:
-            return ipc.open_stream(data).read_all().to_pylist()
-    return _hub_rows(path)
+            table = ipc.open_stream(data).read_all()
+    else:
+        return _hub_rows(path)
+    return cast(list[dict[str, Any]], table.to_pylist())  # a table's rows: one dict each
 
 
 def _hub_rows(name: str) -> list[dict[str, Any]]:
@@ -200,7 +202,7 @@ def resolve_source(env: str) -> SftSource:
     source = getattr(module, attribute, None)
     if not callable(source):
         raise SftDataError(f"sft.data.env = {env!r}: {target!r} is not a function")
-    return source
+    return cast(SftSource, source)
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ class SftDataset:
         return picks
 
 
-def _rows(config: SftDataConfig, seed: int) -> tuple[list[Mapping[str, Any]], str]:
+def _rows(config: SftDataConfig, seed: int) -> tuple[Sequence[Mapping[str, Any]], str]:
     if config.path is not None:
         return read_rows(config.path), config.path
     if config.env is None:

@@ -11,10 +11,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -138,7 +140,7 @@ def train_step(
     start = time.perf_counter()
     sums: dict[str, Tensor] = {}
     for index, rows in enumerate(micro_batches):
-        ctx.policy.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        cast(FSDPModule, ctx.policy).set_requires_gradient_sync(index == len(micro_batches) - 1)
         with sdpa_priority(device):
             loss_sum, metric_sums = forward_micro_batch(ctx, rows, loss_fn)
             normalise(loss_sum, global_loss_tokens, ctx.dist.world_size).backward()

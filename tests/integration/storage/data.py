@@ -36,6 +36,7 @@ def rollout_table(rows: int, *, step: int, seq_len: int = 64, seed: int = 0) -> 
     columns = {
         "step": pa.array(np.full(rows, step, dtype=np.int64)),
         "policy_version": pa.array(np.full(rows, max(step - 1, 0), dtype=np.int64)),
+        "policy_lineage": pa.array(["lineage-0"] * rows),
         "env": pa.array(["reverse_text"] * rows),
         "example_id": pa.array(index // 4),
         "group_id": pa.array(index // 4),

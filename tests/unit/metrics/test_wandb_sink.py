@@ -74,6 +74,13 @@ def test_mode_is_offline_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wandb_mode(None) == "online" and wandb_mode("disabled") == "disabled"
 
 
+def test_wandb_reads_wandb_mode_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # None lets wandb.init take WANDB_MODE in any spelling it knows; a configured mode wins.
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert wandb_mode(None) is None
+    assert wandb_mode("online") == "online"
+
+
 def test_no_project_means_no_wandb(tmp_path: Path) -> None:
     with wandb_sink(WandbConfig(), "r", {}, tmp_path) as sink:
         assert sink is None
