@@ -276,16 +276,19 @@ def test_requests_in_flight_keep_the_oldest_version(
             # 64 x 600 decode steps: many seconds of work, even on a fast idle machine.
             busy = (running * 64)[:64]
             busy_run = SamplingConfig(temperature=0, max_tokens=600)
-            earlier = await asyncio.to_thread(generated_tokens, base_pool)
+            finished = (await asyncio.to_thread(engine_requests, base_pool))["finished"]
             before = asyncio.create_task(client.generate_batch(busy, busy_run))
-            # Every request is sent (and so stamped) before the reload, and some are decoding.
-            # One that reaches the server during the reload's pause waits there for the resume.
-            while client.requests_in_flight < len(busy) and not before.done():
-                await asyncio.sleep(0.01)
+            # Every request is sent (and so stamped) before the reload, and has reached the
+            # engine, which is decoding: sent is not enough, since a busy API server can take
+            # seconds to accept 64 requests, while the first ones run to their end and the
+            # rest arrive only after the reload (then none decodes across it).
             deadline = asyncio.get_running_loop().time() + 60
-            while await asyncio.to_thread(generated_tokens, base_pool) == earlier:
-                assert asyncio.get_running_loop().time() < deadline, "nothing decoded in 60 s"
-                await asyncio.sleep(0.02)
+            while True:
+                count = await asyncio.to_thread(engine_requests, base_pool)
+                if count["running"] and sum(count.values()) - finished >= len(busy):
+                    break
+                assert asyncio.get_running_loop().time() < deadline, f"not running: {count}"
+                await asyncio.sleep(0.01)
             await asyncio.to_thread(base_pool.reload, weights.other)
             in_flight = not before.done()
             after = await client.generate(running[0], SamplingConfig(max_tokens=4))
@@ -314,11 +317,23 @@ def test_requests_in_flight_keep_the_oldest_version(
     assert [s.policy_version for s in after] == [1]
 
 
-def generated_tokens(pool: InferencePool) -> int:
-    """Tokens the (one) server has generated so far (from its Prometheus metrics)."""
+#: The engine's request gauges and counter (Prometheus names) `engine_requests` reads.
+ENGINE_REQUESTS = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "finished": "vllm:request_success_total",
+}
+
+
+def engine_requests(pool: InferencePool) -> dict[str, int]:
+    """The (one) server's requests that are running, waiting and finished so far, from its
+    Prometheus metrics."""
     text = httpx.get(f"{pool.endpoints[0].base_url}/metrics", timeout=30).text
-    lines = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
-    return round(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+    counts = {}
+    for key, metric in ENGINE_REQUESTS.items():
+        lines = [line for line in text.splitlines() if line.startswith(metric)]
+        counts[key] = round(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+    return counts
 
 
 def switch_point(weights: Weights, sample: Sample, tol: float = 1e-3) -> int:
