@@ -28,8 +28,8 @@ from engine.inference.control import (
 )
 from engine.inference.endpoint import Endpoint
 from engine.inference.ports import free_port
-from engine.inference.reload_ext import served_model_folder
 from engine.inference.server import ServerProcess, ServerSpec, ServerStartError
+from engine.inference.weight_folders import served_model_folder
 from engine.models.resolve import ModelPathError, resolve_model
 from engine.models.tiny import default_cache_dir
 

@@ -32,8 +32,8 @@ from engine.inference.control import (
 )
 from engine.inference.diagnose import failure_cause
 from engine.inference.fleet import ServerFleet, confirm_version
-from engine.inference.reload_ext import commit_meta, is_delta
 from engine.inference.server import ServerProcess
+from engine.inference.weight_folders import commit_meta, is_delta
 from engine.local_checkpoints import (
     adapter_copies_dir,
     forget_fetched,
