@@ -42,7 +42,7 @@ import httpx
 from engine.config.inference import SLOTS_PER_LINEAGE
 from engine.inference.control import ReloadError, ServedWeightsMismatchError, expect_ok
 from engine.inference.endpoint import Endpoint
-from engine.inference.reload_ext import commit_meta
+from engine.inference.weight_folders import commit_meta
 from storage.checkpoints import copy_local_checkpoint
 from storage.commit import MARKER
 from storage.errors import CorruptObjectError, NotCommittedError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.inference.reload_ext import read_signature, signature_mismatch
+from engine.inference.weight_folders import read_signature, signature_mismatch
 from engine.local_checkpoints import CheckpointError
 from storage.tensor_files import ties_word_embeddings
 

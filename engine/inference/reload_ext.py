@@ -25,139 +25,39 @@ Loaded by every vLLM worker through `--worker-extension-cls`, and called over th
    whose linear layers are packed away) that it then loads. A delta is applied only onto the
    version it was encoded against (by uid), never onto another lineage's version of that step.
 
-This module runs inside vLLM's worker processes: it may import vLLM and primeflow's storage
-formats (`storage.deltas`: torch, numpy and pyarrow; `storage.commit`'s marker), nothing else
-of primeflow's.
+This module runs inside vLLM's worker processes: it may import vLLM, primeflow's storage
+formats (`storage.deltas`: torch, numpy and pyarrow; `storage.commit`'s marker) and the folder
+readers of `engine.inference.weight_folders`, which keep the same rule; nothing else of
+primeflow's.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
-from safetensors import safe_open
 
-from storage.commit import MARKER
+from engine.inference.weight_folders import (
+    Decoded,
+    Signature,
+    commit_meta,
+    is_delta,
+    iterate_weights,
+    keeps_mirror,
+    read_delta_folder,
+    read_signature,
+    rebuild,
+    served_model_folder,
+    signature_mismatch,
+)
 from storage.deltas import (
-    Part,
     apply_entries,
     check_fits,
-    decode_delta,
-    is_delta_file,
-    read_delta_file,
 )
 from storage.tensor_files import ties_word_embeddings
-
-Signature = dict[str, tuple[int, ...]]
-
-_INDEX = "model.safetensors.index.json"
-_TIED_HEAD = "lm_head.weight"
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a HF model folder (those its index names, if it has one)."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    index = folder / _INDEX
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / name for name in names]
-    else:
-        files = sorted(f for f in folder.glob("*.safetensors") if not is_delta_file(f.name))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-    return files
-
-
-def read_signature(folder: Path) -> Signature:
-    """Tensor name → shape over all weight files; raises if any file is missing or truncated."""
-    signature: Signature = {}
-    for file in weight_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    signature[name] = tuple(handle.get_slice(name).get_shape())
-        except FileNotFoundError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for bad files
-            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
-    return signature
-
-
-def signature_mismatch(expected: Signature, found: Signature, *, tied: bool) -> str | None:
-    """Why `found` cannot replace `expected`, or None when it can.
-
-    A tied head may be present in one and absent in the other: it is the embedding either way.
-    """
-    if tied:
-        expected = {k: v for k, v in expected.items() if k != _TIED_HEAD}
-        found = {k: v for k, v in found.items() if k != _TIED_HEAD}
-    missing = sorted(set(expected) - set(found))
-    extra = sorted(set(found) - set(expected))
-    reshaped = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} tensors (first: {missing[0]})")
-    if extra:
-        problems.append(f"{len(extra)} unexpected tensors (first: {extra[0]})")
-    if reshaped:
-        name = reshaped[0]
-        problems.append(f"{name} has shape {list(found[name])}, expected {list(expected[name])}")
-    return "; ".join(problems) or None
-
-
-def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs, file by file, as vLLM's `load_weights` consumes them."""
-    for file in weight_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118
-                yield name, handle.get_tensor(name)
-
-
-def commit_meta(folder: Path) -> dict[str, object]:
-    """The `meta` of the folder's `_COMMITTED` marker; empty for a bare model folder."""
-    marker = folder / MARKER
-    return dict(json.loads(marker.read_text()).get("meta") or {}) if marker.is_file() else {}
-
-
-def is_delta(meta: dict[str, object]) -> bool:
-    return meta.get("kind") == "delta"
-
-
-def keeps_mirror(meta: dict[str, object]) -> bool:
-    """Whether deltas will follow this full version, so its tensors are worth keeping."""
-    return meta.get("uid") is not None and int(str(meta.get("full_every", 1))) > 1
-
-
-#: A version's changed entries, decoded: (part, positions in the whole tensor, differences).
-Decoded = list[tuple[Part, np.ndarray, np.ndarray]]
-
-
-def read_delta_folder(folder: Path) -> Decoded:
-    """Every changed entry of a delta version's folder (one file per trainer rank), decoded."""
-    files = sorted(f for f in folder.glob("*.safetensors") if is_delta_file(f.name))
-    if not files:
-        raise FileNotFoundError(f"delta version {folder} has no delta files")
-    return [entry for f in files for entry in decode_delta(read_delta_file(f.read_bytes(), str(f)))]
-
-
-def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:
-    """The weights of the last of `folders`: a full version, then the deltas that follow it."""
-    if not folders or is_delta(commit_meta(folders[0])):
-        raise ValueError("a chain of versions to rebuild starts with a full one")
-    tensors = dict(iterate_weights(folders[0]))
-    for folder in folders[1:]:
-        decoded = read_delta_folder(folder)
-        for part, _, _ in decoded:
-            check_fits(part, tensors.get(part.name))
-        for part, positions, signed in decoded:
-            apply_entries(tensors[part.name], positions, signed)
-    return tensors
 
 
 class Target(NamedTuple):
@@ -195,16 +95,6 @@ def inplace_targets(
             targets[name] = Target(param, row * math.prod(shape[1:]), shape)
             row += shape[0]
     return targets if set(shapes) <= set(targets) else None
-
-
-def served_model_folder(model: str, revision: str | None) -> Path:
-    """The local folder of the model the server started from (a path, or a hub snapshot)."""
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
-
-    # vLLM downloaded it at startup, so the cache has it: no network needed here.
-    return Path(snapshot_download(model, revision=revision, local_files_only=True))
 
 
 def repack_tied_heads(model: torch.nn.Module) -> int:

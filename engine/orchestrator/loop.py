@@ -67,10 +67,14 @@ class PolicyServer(Protocol):
     @property
     def policy_version(self) -> int: ...
 
-    #: Parameters verified bit-identical to their checkpoint so far (0 unless verifying).
-    verified_tensors: int
-    #: Seconds per phase of the last reload (`InferencePool.last_swap`; empty: not measured).
-    last_swap: dict[str, float]
+    @property
+    def verified_tensors(self) -> int:
+        """Parameters verified bit-identical to their checkpoint so far (0 unless verifying)."""
+
+    @property
+    def last_swap(self) -> dict[str, float]:
+        """Seconds per phase of the last reload (`InferencePool.last_swap`; empty: not
+        measured)."""
 
     def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int: ...
 

@@ -54,8 +54,9 @@ from engine.trainer.loss import sft_loss
 from engine.trainer.model import ModelOptions, build_policy, causal_lm_from_config
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import Sample, pack_samples
-from engine.trainer.publish import PolicyPublisher, snapshot_weights
+from engine.trainer.publish import PolicyPublisher
 from engine.trainer.schedule import build_scheduler
+from engine.trainer.snapshot import snapshot_weights
 from engine.trainer.step import StepContext, train_step
 from storage.commit import read_commit
 from storage.layout import RunLayout

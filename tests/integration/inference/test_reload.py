@@ -22,7 +22,8 @@ from transformers import AutoTokenizer
 
 from engine.config.orchestrator import SamplingConfig
 from engine.inference.client import InferenceClient, Sample
-from engine.inference.pool import InferencePool, ReloadError
+from engine.inference.control import ReloadError
+from engine.inference.pool import InferencePool
 from storage.checkpoints import write_checkpoint
 from storage.commit import commit_step, delete_step
 from storage.deltas import delta_between

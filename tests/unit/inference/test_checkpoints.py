@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.inference.checkpoints import check_compatible
-from engine.inference.reload_ext import read_signature, signature_mismatch
+from engine.inference.weight_folders import read_signature, signature_mismatch
 from engine.local_checkpoints import (
     CheckpointError,
     DamagedCheckpointError,

@@ -85,11 +85,11 @@ def test_pool_places_servers_on_their_own_gpus(tmp_path: Path) -> None:
         model="/models/m", num_servers=2, tensor_parallel_size=2, device="cuda", base_port=9000
     )
     pool = InferencePool(config, log_dir=tmp_path)
-    first, second = pool._spec(0, "/models/m"), pool._spec(1, "/models/m")
+    first, second = pool.fleet.spec(0, "/models/m"), pool.fleet.spec(1, "/models/m")
     assert (first.gpu_ids, second.gpu_ids) == ((0, 1), (2, 3))
     assert (first.port, second.port) == (9000, 9001)
     explicit = config.model_copy(update={"gpu_ids": [4, 5, 6, 7]})
-    assert InferencePool(explicit, log_dir=tmp_path)._spec(1, "/m").gpu_ids == (6, 7)
+    assert InferencePool(explicit, log_dir=tmp_path).fleet.spec(1, "/m").gpu_ids == (6, 7)
 
 
 def test_pool_generates_a_key_unless_one_is_set(tmp_path: Path) -> None:
