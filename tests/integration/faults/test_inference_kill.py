@@ -107,7 +107,7 @@ def test_a_reload_on_a_dead_server_says_it_is_dead(
     try:
         for pgid in doomed.process_groups.values():
             os.killpg(pgid, signal.SIGKILL)
-        (server,) = doomed._servers
+        (server,) = doomed.fleet.servers
         assert poll_until(lambda: server.process.poll() is not None)
         with pytest.raises(ServerDiedError) as died:
             doomed.reload(weights.other)

@@ -40,7 +40,7 @@ LOOPBACK = "127.0.0.1"
 def test_inference_servers_bind_loopback_by_default(tmp_path: Path) -> None:
     config = InferenceConfig(model="/models/m", base_port=8100, device="cpu")
     assert config.host == LOOPBACK
-    spec = InferencePool(config, log_dir=tmp_path)._spec(0, "/models/m")
+    spec = InferencePool(config, log_dir=tmp_path).fleet.spec(0, "/models/m")
     argv = spec.argv()
     assert argv[argv.index("--host") + 1] == LOOPBACK
     assert spec.env({})["VLLM_HOST_IP"] == LOOPBACK
@@ -66,7 +66,7 @@ def test_a_key_is_generated_per_pool_when_none_is_configured(tmp_path: Path) -> 
     first, second = InferencePool(config, log_dir=tmp_path), InferencePool(config, log_dir=tmp_path)
     assert len(first.api_key) >= 32
     assert first.api_key != second.api_key
-    spec = first._spec(0, "/models/m")
+    spec = first.fleet.spec(0, "/models/m")
     assert spec.env({})[API_KEY_ENV] == first.api_key  # vLLM requires it on /v1/...
     assert first.api_key not in spec.argv()  # not visible in `ps`
 
@@ -74,7 +74,7 @@ def test_a_key_is_generated_per_pool_when_none_is_configured(tmp_path: Path) -> 
 def test_a_configured_key_is_the_one_the_servers_require(tmp_path: Path) -> None:
     config = InferenceConfig(model="/m", base_port=8100, device="cpu", api_key="configured-key-1")
     pool = InferencePool(config, log_dir=tmp_path)
-    spec = pool._spec(0, "/m")
+    spec = pool.fleet.spec(0, "/m")
     assert spec.env({})[API_KEY_ENV] == "configured-key-1"
     assert "--middleware" in spec.argv()  # the guard below is loaded into every server
     assert "configured-key-1" not in repr(config)
