@@ -150,7 +150,6 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
     sampled = [point["sampled"] for point in curve if point["sampled"] is not None]
     rewards = _series(orch, "reward/mean")
     entropy = _series(train, "entropy")
-    times = _series(train, "time")
     clip = [
         sum(line.get(key, 0.0) for key in ("capped_fraction", "clip_low_fraction",
                                            "clip_high_fraction", "masked_fraction"))
@@ -173,15 +172,24 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
         "clip_fraction": _mean(clip),
         "mismatch_kl": _mean(_series(train, "mismatch_kl")),
         "grad_norm": _mean(_series(train, "grad_norm")),
+        **loop_timing(train, orch),
+    }
+
+
+def loop_timing(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, float | None]:
+    """Where a step's time goes, medians over the run: the trainer's own compute and its wait
+    for rollouts, the pool's sampling rate and its weight swaps (fetch, load, the whole pause)."""
+    times = _series(train, "time")
+    swap_phases = sorted({k for line in orch for k in line if k.startswith("time/reload_")})
+    return {
         "step_s_median": statistics.median(b - a for a, b in itertools.pairwise(times))
         if len(times) > 2
         else None,
-        # Where a step's time goes: the trainer's own compute and its wait for rollouts, the
-        # pool's sampling rate and its weight swaps.
         "train_s_median": _median(_series(train, "step_seconds")),
         "wait_s_median": _median(_series(train, "wait_seconds")),
         "sampled_tokens_per_s": _median(_series(orch, "throughput/tokens_per_s")),
-        "reload_s_median": _median(_series(orch, "time/reload_s")),
+        "policy_wait_s_median": _median(_series(orch, "time/policy_wait_s")),
+        **{f"{k.removeprefix('time/')}_median": _median(_series(orch, k)) for k in swap_phases},
     }
 
 

@@ -36,6 +36,7 @@ one TRL run, each with its own curve and headline (`headlines`), e.g. the next c
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -54,6 +55,7 @@ from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.store import ObjectStore
 from tests.bench.e2e.bench_async import run_rl, save, train_sft
+from tests.bench.e2e.bench_learning import loop_timing
 from tests.bench.e2e.bench_trl import HERE, json_lines, write_prompts
 
 DEMO = Path(__file__).resolve().parents[3] / "configs/reverse_text/pipeline.toml"
@@ -272,6 +274,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with InferencePool.for_run(config, local_run_dir(config) / "logs") as pool:
         for name, arm in arms.items():
             result[name] = run_arm(arm, pool, sft, args)
+            store = run_store(arm)
+            result.setdefault("timing", {})[name] = loop_timing(
+                read_metrics(store, "rl"), read_metrics(store, "orchestrator")
+            )
             save(result, str(out))
         if not args.skip_reference:
             trl_clock, trl_kept = run_reference(args, config, sft, workdir)
@@ -287,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     save(result, str(out))
     if "reference" in result:
         figure_png(result, out.with_suffix(".png"))
-    print(result.get("headlines"))
+    print(json.dumps({"headlines": result.get("headlines"), "timing": result.get("timing")}))
     return result
 
 
