@@ -271,7 +271,7 @@ class WeightReloadExtension:
         signatures: dict[Path, Signature] = {}
         for path, meta in zip(paths, metas, strict=True):
             if is_delta(meta):
-                decoded[path] = read_delta_folder(path)
+                decoded[path] = read_delta_folder(path, self._primeflow_delta_device())
             else:
                 signatures[path] = self._check_fits(path)
         held, self._primeflow_held = self._primeflow_held, None  # until this load succeeds
@@ -297,6 +297,13 @@ class WeightReloadExtension:
         self._primeflow_version = int(version)
         self._primeflow_held = held
         return {"repacked": repacked, "version": self._primeflow_version, "holds": held}
+
+    def _primeflow_delta_device(self) -> torch.device:
+        """Where deltas are applied: the served parameters' device, or the host's mirror."""
+        targets = self._primeflow_targets
+        if targets:
+            return next(iter(targets.values())).param.device
+        return torch.device("cpu")
 
     @property
     def _primeflow_holding(self) -> bool:

@@ -13,7 +13,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -111,15 +110,24 @@ def keeps_mirror(meta: dict[str, object]) -> bool:
 
 
 #: A version's changed entries, decoded: (part, positions in the whole tensor, differences).
-Decoded = list[tuple[Part, np.ndarray, np.ndarray]]
+Decoded = list[tuple[Part, torch.Tensor, torch.Tensor]]
+#: Deltas of up to this many entries are decoded on the device they go to (16 bytes an entry
+#: of positions and differences there, 0.5 GiB at most); larger ones on the host, so that a
+#: big model's delta never needs GPU memory the server did not plan for.
+DEVICE_DECODE_ENTRIES = 1 << 25
 
 
-def read_delta_folder(folder: Path) -> Decoded:
-    """Every changed entry of a delta version's folder (one file per trainer rank), decoded."""
+def read_delta_folder(folder: Path, device: torch.device | str = "cpu") -> Decoded:
+    """Every changed entry of a delta version's folder (one file per trainer rank), decoded on
+    `device` (where they will be applied) unless a file is too large for it."""
     files = sorted(f for f in folder.glob("*.safetensors") if is_delta_file(f.name))
     if not files:
         raise FileNotFoundError(f"delta version {folder} has no delta files")
-    return [entry for f in files for entry in decode_delta(read_delta_file(f.read_bytes(), str(f)))]
+    decoded: Decoded = []
+    for file in files:
+        delta = read_delta_file(file.read_bytes(), str(file))
+        decoded += decode_delta(delta, device if delta.count <= DEVICE_DECODE_ENTRIES else "cpu")
+    return decoded
 
 
 def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:
