@@ -148,13 +148,6 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
         )
     greedy = [point["greedy"] for point in curve if point["greedy"] is not None]
     sampled = [point["sampled"] for point in curve if point["sampled"] is not None]
-    rewards = _series(orch, "reward/mean")
-    entropy = _series(train, "entropy")
-    clip = [
-        sum(line.get(key, 0.0) for key in ("capped_fraction", "clip_low_fraction",
-                                           "clip_high_fraction", "masked_fraction"))
-        for line in train
-    ]  # fmt: skip
     return {
         "steps": len(train),
         "curve": curve,
@@ -163,6 +156,24 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
         "greedy_best": max(greedy, default=None),
         "sampled_first": sampled[0] if sampled else None,
         "sampled_last": sampled[-1] if sampled else None,
+        **learning_health(train, orch),
+        **loop_timing(train, orch),
+    }
+
+
+def learning_health(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, float | None]:
+    """Whether the updates were sound, means over the run (and its first steps, where a bad
+    start shows): training reward and entropy, the groups that taught nothing, clipped or
+    capped tokens, the trainer-inference mismatch, importance weights and gradient norms."""
+    rewards = _series(orch, "reward/mean")
+    entropy = _series(train, "entropy")
+    grad_norms = _series(train, "grad_norm")
+    clip = [
+        sum(line.get(key, 0.0) for key in ("capped_fraction", "clip_low_fraction",
+                                           "clip_high_fraction", "masked_fraction"))
+        for line in train
+    ]  # fmt: skip
+    return {
         "train_reward_first10": _mean(rewards[:10]),
         "train_reward_last10": _mean(rewards[-10:]),
         "entropy_first10": _mean(entropy[:10]),
@@ -171,8 +182,12 @@ def arm_result(config: PrimeflowConfig) -> dict[str, Any]:
         "nonzero_token_fraction": _mean(_series(orch, "advantage/nonzero_token_fraction")),
         "clip_fraction": _mean(clip),
         "mismatch_kl": _mean(_series(train, "mismatch_kl")),
-        "grad_norm": _mean(_series(train, "grad_norm")),
-        **loop_timing(train, orch),
+        "ratio": _mean(_series(train, "ratio")),
+        "grad_norm": _mean(grad_norms),
+        "grad_norm_first25": _mean(grad_norms[:25]),
+        "stale_rollouts": sum(
+            _series(orch, "count/stale/off_policy") + _series(orch, "count/stale/async_bound")
+        ),
     }
 
 

@@ -55,7 +55,7 @@ from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.store import ObjectStore
 from tests.bench.e2e.bench_async import run_rl, save, train_sft
-from tests.bench.e2e.bench_learning import loop_timing
+from tests.bench.e2e.bench_learning import learning_health, loop_timing
 from tests.bench.e2e.bench_trl import HERE, json_lines, write_prompts
 
 DEMO = Path(__file__).resolve().parents[3] / "configs/reverse_text/pipeline.toml"
@@ -99,8 +99,9 @@ def primeflow_clock(config: PrimeflowConfig) -> dict[int, float]:
 
 def run_reference(
     args: argparse.Namespace, config: PrimeflowConfig, sft: Path, workdir: Path
-) -> tuple[dict[int, float], dict[int, Path]]:
-    """TRL on the recipe: its clock per step and the folders of its kept policies."""
+) -> tuple[dict[int, float], dict[int, Path], dict[str, float | None]]:
+    """TRL on the recipe: its clock per step, the folders of its kept policies and what its
+    logs say of its updates' health."""
     orchestrator = config.orchestrator
     data = workdir / "prompts.jsonl"
     (env,) = orchestrator.envs  # the recipe: one reverse-text environment
@@ -131,9 +132,20 @@ def run_reference(
     if code != 0:
         raise RuntimeError(f"TRL failed ({code}); see {workdir / 'trl.log'}")
     lines = json_lines((workdir / "trl.log").read_text())
-    clock = {0: 0.0, **{e["step"]: e["time"] for e in lines if "reward" in e}}
+    steps = [e for e in lines if "reward" in e]
+    clock = {0: 0.0, **{e["step"]: e["time"] for e in steps}}
     kept = {e["saved"]: Path(e["folder"]) for e in lines if "saved" in e}
-    return clock, kept
+    return clock, kept, reference_health(steps)
+
+
+def reference_health(steps: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The reference's side of `learning_health`, from what TRL logs each step."""
+    renamed = [
+        {"reward/mean": e["reward"], "advantage/zero_group_fraction": e.get("frac_reward_zero_std")}
+        for e in steps
+    ]
+    health = learning_health(steps, renamed)
+    return {key: value for key, value in health.items() if value is not None}
 
 
 def evaluate_kept(
@@ -275,12 +287,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for name, arm in arms.items():
             result[name] = run_arm(arm, pool, sft, args)
             store = run_store(arm)
-            result.setdefault("timing", {})[name] = loop_timing(
-                read_metrics(store, "rl"), read_metrics(store, "orchestrator")
-            )
+            train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
+            result.setdefault("timing", {})[name] = loop_timing(train, orch)
+            result.setdefault("health", {})[name] = learning_health(train, orch)
             save(result, str(out))
         if not args.skip_reference:
-            trl_clock, trl_kept = run_reference(args, config, sft, workdir)
+            trl_clock, trl_kept, result["health"]["reference"] = run_reference(
+                args, config, sft, workdir
+            )
             trl_store = ObjectStore(f"file://{workdir}/reference")
             policies: dict[int, str | Path] = {0: sft, **trl_kept}
             result["reference"] = evaluate_kept(
@@ -293,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     save(result, str(out))
     if "reference" in result:
         figure_png(result, out.with_suffix(".png"))
-    print(json.dumps({"headlines": result.get("headlines"), "timing": result.get("timing")}))
+    print(json.dumps({key: result.get(key) for key in ("headlines", "timing", "health")}))
     return result
 
 

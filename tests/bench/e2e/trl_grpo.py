@@ -143,6 +143,10 @@ def main(argv: list[str]) -> int:
             if logs and "reward" in logs:
                 line = {"step": state.global_step, "time": time.time() - start}
                 line["reward"] = float(logs["reward"])
+                # What primeflow's `learning_health` reads from its own metrics, where TRL has it.
+                for key in ("grad_norm", "entropy", "frac_reward_zero_std"):
+                    if key in logs:
+                        line[key] = float(logs[key])
                 history.append(line)
                 print(json.dumps(line), flush=True)
 
