@@ -26,7 +26,8 @@ from engine.models.tiny import default_cache_dir
 from engine.run import run_store as open_store
 from engine.run import stage_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
-from engine.trainer.checkpoint import CheckpointWriter, load_adapter, load_checkpoint
+from engine.trainer.checkpoint_resume import load_adapter, load_checkpoint
+from engine.trainer.checkpoint_writer import CheckpointWriter
 from engine.trainer.distributed import DistInfo
 from engine.trainer.lora import fresh_adapter, published
 from engine.trainer.loss import LossFn

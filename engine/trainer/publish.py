@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from engine.config.trainer import PolicyConfig
 from engine.trainer.background import BackgroundWrite
-from engine.trainer.checkpoint import model_tensors, state_file
+from engine.trainer.checkpoint_state import model_tensors, state_file
 from engine.trainer.distributed import DistInfo, agree_sums, from_main, shared_uid
 from engine.trainer.host_copies import Fence
 from engine.trainer.lora import adapter_config, published

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen3Config
 
 from engine.config.trainer import CheckpointConfig, ConstantSchedulerConfig, OptimizerConfig
-from engine.trainer.checkpoint import CheckpointWriter, model_tensors
+from engine.trainer.checkpoint_state import model_tensors
+from engine.trainer.checkpoint_writer import CheckpointWriter
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.model import ModelOptions, PolicyModel, build_policy, causal_lm_from_config
 from engine.trainer.optim import build_optimizer

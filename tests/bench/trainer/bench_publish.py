@@ -48,7 +48,8 @@ from engine.config.trainer import (
     PolicyConfig,
 )
 from engine.trainer.batching import micro_batches
-from engine.trainer.checkpoint import CheckpointWriter, model_tensors, tied_head_key
+from engine.trainer.checkpoint_state import model_tensors, tied_head_key
+from engine.trainer.checkpoint_writer import CheckpointWriter
 from engine.trainer.distributed import DistInfo, close_distributed, init_distributed
 from engine.trainer.loss import sft_loss
 from engine.trainer.model import ModelOptions, build_policy, causal_lm_from_config

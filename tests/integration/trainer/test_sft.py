@@ -17,7 +17,7 @@ from engine.config.trainer import LoraConfig
 from engine.run import run_store as open_run_store
 from engine.run import stage_store
 from engine.trainer.build import load_start_adapter
-from engine.trainer.checkpoint import latest_checkpoint
+from engine.trainer.checkpoint_resume import latest_checkpoint
 from engine.trainer.worker import run_stage
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.commit import committed_steps, read_commit, verify_step

@@ -21,7 +21,8 @@ from engine.config.trainer import (
     PolicyConfig,
 )
 from engine.trainer.batching import micro_batches
-from engine.trainer.checkpoint import CheckpointWriter, load_checkpoint
+from engine.trainer.checkpoint_resume import load_checkpoint
+from engine.trainer.checkpoint_writer import CheckpointWriter
 from engine.trainer.distributed import init_distributed
 from engine.trainer.lora import fresh_adapter, published_name, trainer_name
 from engine.trainer.loss import sft_loss
