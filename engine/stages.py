@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import PrimeflowConfig
-from engine.inference.attached import ServingPool
 from engine.inference.control import ReloadError
 from engine.inference.on_demand import PoolOnDemand
+from engine.inference.serving import PolicyServing
 from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
 from engine.results import EvalResult, StageResult
@@ -215,7 +215,7 @@ class _SharedTrainer(_Trainer):
         config: PrimeflowConfig,
         run: Run,
         logger: Logger,
-        pool: ServingPool,
+        pool: PolicyServing,
         cancel: threading.Event | None = None,
     ) -> None:
         assert config.pools.name is not None
@@ -332,7 +332,7 @@ def run_sft(
 def run_rl(
     config: PrimeflowConfig,
     run: Run,
-    pool: ServingPool,
+    pool: PolicyServing,
     logger: Logger = log,
     cancel: threading.Event | None = None,
 ) -> StageResult:

@@ -21,7 +21,6 @@ from engine.config.run import StorageConfig
 from engine.inference.adapters import AdapterLineage
 from engine.inference.control import ReloadError, control_client, named_version, unloadable
 from engine.inference.endpoint import Endpoint
-from engine.inference.pool import InferencePool
 from engine.local_checkpoints import (
     adapter_copies_dir,
     forget_fetched,
@@ -58,7 +57,7 @@ class AttachedPool:
             Endpoint(index=index, base_url=url, model=model) for index, url in enumerate(urls)
         ]
         self._urls = urls
-        #: An adapter swap is not broken into phases (the orchestrator's `PolicyServer`).
+        #: An adapter swap is not broken into phases (`PolicyServing.last_swap`).
         self.last_swap: dict[str, float] = {}
         self._lock = threading.Lock()
         self._adapters = AdapterLineage(
@@ -118,7 +117,3 @@ class AttachedPool:
 
     def _forget_fetched(self, folders: set[Path]) -> None:
         forget_fetched(self.cache_dir, folders)
-
-
-#: What stages generate with: a pool of the run's own, or its view of shared pools.
-ServingPool = InferencePool | AttachedPool

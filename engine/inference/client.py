@@ -24,7 +24,7 @@ from engine.config.orchestrator import SamplingConfig
 from engine.inference.endpoint import Endpoint
 
 if TYPE_CHECKING:
-    from engine.inference.attached import ServingPool
+    from engine.inference.serving import PolicyServing
 
 #: HTTP statuses worth retrying: rate limiting, and the server being busy or restarting.
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -129,7 +129,7 @@ class InferenceClient:
         return sum(self._busy)
 
     @classmethod
-    def from_pool(cls, pool: ServingPool, *, max_concurrent: int = 64) -> InferenceClient:
+    def from_pool(cls, pool: PolicyServing, *, max_concurrent: int = 64) -> InferenceClient:
         """A client on a running pool, sharing its endpoints (and so their policy versions)."""
         config = pool.config
         return cls(

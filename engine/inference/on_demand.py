@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from engine.inference.attached import ServingPool
 from engine.inference.pool import InferencePool
+from engine.inference.serving import PolicyServing
 
 log = logging.getLogger("primeflow.inference")
 
@@ -26,8 +26,8 @@ class PoolOnDemand:
 
     def __init__(
         self,
-        start: Callable[[], ServingPool],
-        pool: ServingPool | None = None,
+        start: Callable[[], PolicyServing],
+        pool: PolicyServing | None = None,
         stop: Callable[[InferencePool], None] = InferencePool.stop,
     ):
         """`stop` ends a pool whose servers died before `start` replaces it (the flows' also
@@ -38,7 +38,7 @@ class PoolOnDemand:
         self._pending: tuple[str, int] | None = None
 
     @property
-    def started(self) -> ServingPool | None:
+    def started(self) -> PolicyServing | None:
         """The pool if it has started, else None."""
         return self._pool
 
@@ -54,7 +54,7 @@ class PoolOnDemand:
         else:
             self._pool.reload(checkpoint, version=version)
 
-    def get(self) -> ServingPool:
+    def get(self) -> PolicyServing:
         """The running pool, started (and brought to the pending version) on first use, and
         started again when any of its servers is no longer running."""
         if isinstance(self._pool, InferencePool) and (dead := self._pool.exited()):

@@ -17,13 +17,12 @@ import asyncio
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from engine.config.orchestrator import OrchestratorConfig
 from engine.envs import ChatTokenizer, EnvMix, MixEntry, Rollout, Sampler, Task, TurnGenerator
@@ -32,6 +31,7 @@ from engine.inference.control import (
     ServedWeightsMismatchError,
     ServerDiedError,
 )
+from engine.inference.serving import PolicyServing
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version
 from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
@@ -61,24 +61,6 @@ class OrchestratorStoppedError(RuntimeError):
     """The caller asked the loop to stop (its stage is giving up, e.g. the trainer died)."""
 
 
-class PolicyServer(Protocol):
-    """The part of the inference pool that swaps weights (`engine.inference.pool.InferencePool`)."""
-
-    @property
-    def policy_version(self) -> int: ...
-
-    @property
-    def verified_tensors(self) -> int:
-        """Parameters verified bit-identical to their checkpoint so far (0 unless verifying)."""
-
-    @property
-    def last_swap(self) -> dict[str, float]:
-        """Seconds per phase of the last reload (`InferencePool.last_swap`; empty: not
-        measured)."""
-
-    def reload(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int: ...
-
-
 @dataclass(frozen=True)
 class _Launch:
     index: int
@@ -96,7 +78,7 @@ class Orchestrator:
         *,
         store: ObjectStore,
         sampler: Sampler,
-        server: PolicyServer,
+        server: PolicyServing,
         tokenizer: Any,
         envs: Sequence[MixEntry],
         seed: int = 0,

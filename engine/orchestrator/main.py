@@ -19,9 +19,9 @@ from transformers import AutoTokenizer
 from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.envs import ChatTokenizer, MixEntry, TurnGenerator, load_environment
-from engine.inference.attached import ServingPool
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
+from engine.inference.serving import PolicyServing
 from engine.models.resolve import resolve_model
 from engine.orchestrator.evaluate import decoder, evaluate_envs, summary_document
 from engine.orchestrator.loop import Orchestrator
@@ -46,7 +46,7 @@ def load_tokenizer(config: PrimeflowConfig) -> Any:
 
 
 @contextlib.contextmanager
-def policy_pool(config: PrimeflowConfig, pool: ServingPool | None) -> Iterator[ServingPool]:
+def policy_pool(config: PrimeflowConfig, pool: PolicyServing | None) -> Iterator[PolicyServing]:
     """`pool` when given; else a pool started from `config.inference`, stopped on exit."""
     if pool is not None:
         yield pool
@@ -61,7 +61,7 @@ def mix_entries(envs: list[EnvConfig], default: SamplingConfig) -> list[MixEntry
 
 def run_orchestrator(
     config: PrimeflowConfig,
-    pool: ServingPool | None = None,
+    pool: PolicyServing | None = None,
     stop: threading.Event | None = None,
     *,
     store: ObjectStore | None = None,
@@ -113,7 +113,7 @@ class EvalOutcome:
 def evaluate_policy(
     config: PrimeflowConfig,
     store: ObjectStore,
-    pool: ServingPool,
+    pool: PolicyServing,
     *,
     name: str,
     stage: Stage,
