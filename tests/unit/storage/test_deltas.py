@@ -8,6 +8,7 @@ import torch
 from storage.deltas import (
     Part,
     apply_delta,
+    apply_entries,
     changed_entries,
     compress_entries,
     decode_delta,
@@ -30,6 +31,11 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_base_plus_delta_is_the_new_tensor_bit_for_bit(dtype: torch.dtype) -> None:
+    check_base_plus_delta(dtype, "cpu")
+
+
+def check_base_plus_delta(dtype: torch.dtype, device: str) -> None:
+    """Base + delta is the new tensor bit for bit, the tensors and the decoding on `device`."""
     generator = torch.Generator().manual_seed(0)
     masters = torch.randn(300, 70, generator=generator) * 0.02
     old = {"w": masters.to(dtype), "b": torch.zeros(70, dtype=dtype)}
@@ -42,12 +48,19 @@ def test_base_plus_delta_is_the_new_tensor_bit_for_bit(dtype: torch.dtype) -> No
     info = torch.finfo(dtype)
     old["w"].view(-1)[:6] = torch.tensor([0.0, -0.0, 1.0, info.min, info.max, float("inf")])
     new["w"].view(-1)[:6] = torch.tensor([-0.0, 0.0, float("nan"), info.max, info.min, -1e30])
+    old, new = ({k: t.to(device) for k, t in d.items()} for d in (old, new))
     delta = read_delta_file(file_bytes(delta_between(old, new)), "test")
     rebuilt = {name: tensor.clone() for name, tensor in old.items()}
     assert apply_delta(rebuilt, delta) == int((bits(old["w"]) != bits(new["w"])).sum())
     for name in new:
         assert torch.equal(bits(rebuilt[name]), bits(new[name])), name
-    assert [part.name for part, _, _ in decode_delta(delta)] == ["w"]
+    decoded = decode_delta(delta, device)
+    assert [part.name for part, _, _ in decoded] == ["w"]
+    (_, positions, signed), *_ = decoded
+    assert positions.device == signed.device == old["w"].device
+    rebuilt = {name: tensor.clone() for name, tensor in old.items()}
+    apply_entries(rebuilt["w"], positions, signed)
+    assert torch.equal(bits(rebuilt["w"]), bits(new["w"]))
 
 
 def test_ranks_streams_of_one_tensor_apply_in_any_order() -> None:
