@@ -278,11 +278,6 @@ class AdapterWatch(threading.Thread):
         return [at for at, listed in self.seen if name in listed]
 
 
-# In the slow tier until a race is closed: it failed 2 of 3 full `make test` runs (and passed
-# every run of its module alone) on "each rolled-back adapter left the server while its tenant
-# still trained": a tenant the restarted trainer finishes before the stage has seen its
-# re-admission never switches its servers back, so the rolled-back version stays loaded.
-@pytest.mark.slow_suite
 def test_a_killed_shared_trainer_restarts_and_every_tenant_completes(
     shared_pools: SharedPools, tmp_path: Path
 ) -> None:
