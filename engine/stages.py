@@ -203,11 +203,13 @@ class _SharedTrainer(_Trainer):
     lease it renews while it lives, the trainer's answers; the tenant withdraws however the
     stage ends, and the pools go on.
 
-    Each admission names the step the trainer starts this tenant from; a restarted trainer
-    admits it again from its last checkpoint and deletes the policy versions published past
-    it. The tenant's servers then go back to that version (`pool`), which unloads the
-    rolled-back ones (`engine.inference.adapters`): the orchestrator would do it at its next
-    reload, but none comes once it has committed its last rollouts.
+    A restarted trainer admits the tenant again from its last checkpoint and deletes the
+    policy versions published past it. At each admission the tenant's servers catch up with
+    the newest version there is (`pool`), whose swap unloads the rolled-back ones
+    (`engine.inference.adapters.superseded`): the orchestrator would do it at its next
+    reload, but none comes once it has committed its last rollouts. A trainer that finishes
+    the tenant between two polls overwrites the `admitted` answer, so every answer names the
+    latest admission, and the stage ends only once it caught up: serving the final version.
     """
 
     def __init__(
@@ -231,9 +233,10 @@ class _SharedTrainer(_Trainer):
         self._beating = threading.Event()
         self._heart: threading.Thread | None = None
         self._said: dict[str, Any] | None = None
-        #: The time of the admission last acted on, and the step to serve again, until served.
+        #: When the trainer last admitted this attempt, as acted on, and whether the servers
+        #: are still to catch up with it.
         self._admitted_at: float | None = None
-        self._go_back: int | None = None
+        self._catch_up = False
 
     def __enter__(self) -> _SharedTrainer:
         record = PoolRecord.read(self.pools)
@@ -262,33 +265,31 @@ class _SharedTrainer(_Trainer):
             self.files.renew(self.attempt)
 
     def poll(self) -> int | None:
-        """0 once the shared trainer committed the last step; a failure raises (`check`)."""
+        """0 once the shared trainer committed the last step and the servers caught up with
+        its latest admission; a failure raises (`check`)."""
         self._said = self.files.state(self.attempt)
         status = self._said["status"] if self._said else None
-        if status == "finished":
-            return 0
-        if status in ENDED:
+        if status in ENDED and status != "finished":
             raise self.failure(1)
-        if (
-            self._said is not None
-            and status == "admitted"
-            and self._said["at"] != self._admitted_at
-        ):
-            self._admitted_at = self._said["at"]
-            self._go_back = int(self._said["step"])
-        if self._go_back is not None:
-            self._serve_again(self._go_back)
-        return None
+        admitted_at = self._said.get("admitted_at") if self._said else None
+        if admitted_at is not None and admitted_at != self._admitted_at:
+            self._admitted_at, self._catch_up = admitted_at, True
+        if self._catch_up:
+            self._catch_up = not self._serve_newest()
+        return 0 if status == "finished" and not self._catch_up else None
 
-    def _serve_again(self, step: int) -> None:
-        """Serve policy version `step`, the one the trainer (re)started from; one that is not
-        committed yet (the trainer writes it in the background) is tried at the next poll."""
+    def _serve_newest(self) -> bool:
+        """Serve the newest committed policy version, as the orchestrator's next reload would;
+        whether it is served (one that cannot be yet is tried at the next poll)."""
+        step = latest_committed_step(self.store, RunLayout.POLICIES)
+        if step is None:
+            return False  # the trainer is still writing the version it starts from
         try:
             self.serving.reload(self.store.url(RunLayout.policy_dir(step)), step)
         except ReloadError as exc:
             self.logger.info("rl: policy version %d is not served yet: %s", step, exc)
-            return
-        self._go_back = None
+            return False
+        return True
 
     def check(self) -> None:
         """Fail the stage when the pools are gone or the stage went silent too long; stop it

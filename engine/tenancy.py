@@ -5,6 +5,7 @@ this host, `<PRIMEFLOW_HOME>/pools/<name>/`.
     tenants/<run>/request.json   a run asks to train (its resolved config), per attempt
     tenants/<run>/lease.json     the run renews it while it lives
     tenants/<run>/state.json     the trainer answers: admitted, finished, failed, refused...
+                                 (each answer names the attempt's latest admission)
 
 Each file is written whole and renamed into place, so a reader never sees half of one. The
 servers listen on loopback and the trainer's processes are this host's, so the folder is
@@ -149,12 +150,23 @@ class TenantFiles:
             return None
         return max(0.0, time.time() - float(lease["renewed_at"]))
 
-    def answer(self, attempt: str, status: TenantStatus, **details: Any) -> None:
-        """The trainer's word on `attempt` (`details`: step, slot, error...)."""
-        _write_json(
-            self.folder / "state.json",
-            {"attempt": attempt, "status": status, "at": time.time(), **details},
-        )
+    def answer(
+        self,
+        attempt: str,
+        status: TenantStatus,
+        admitted_at: float | None = None,
+        **details: Any,
+    ) -> None:
+        """The trainer's word on `attempt` (`details`: step, slot, error...), with the time
+        it last admitted it (none for an attempt refused or failed before its admission).
+
+        Every answer names that admission because each overwrites the one before: a tenant
+        that reads only `finished` still learns that a restarted trainer admitted it again.
+        """
+        document = {"attempt": attempt, "status": status, "at": time.time(), **details}
+        if admitted_at is not None:
+            document["admitted_at"] = admitted_at
+        _write_json(self.folder / "state.json", document)
 
     def last_state(self) -> dict[str, Any] | None:
         """The trainer's last word on this tenant, whichever attempt it was about."""

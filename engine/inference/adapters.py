@@ -19,10 +19,12 @@ deleted and rewrote killed the server, and the rollback's reload was refused as 
   (requests sent before that swap may still bring it back).
 - **A rollback unloads what it rolled back.** Versions only grow while one trainer publishes
   them; serving version N again (or one before it) means the versions served past N were
-  abandoned, and they are unloaded from every server (`superseded`). A version this lineage
-  still holds (the checkpoint's own, loaded before the restart) is served again without a
-  second load, and a server that holds a name already (a previous attempt of the tenant left
-  it) takes the load as done (`load_once`).
+  abandoned, and they are unloaded from every server (`superseded`), as are, once a version of
+  a resumed trainer is served, the versions another trainer published past the checkpoint it
+  resumed from (each version's commit names the trainer start that published it). A version
+  this lineage still holds (the checkpoint's own, loaded before the restart) is served again
+  without a second load, and a server that holds a name already (a previous attempt of the
+  tenant left it) takes the load as done (`load_once`).
 """
 
 from __future__ import annotations
@@ -102,20 +104,51 @@ def unload_lineage(prefix: str, control: Callable[[], Sequence[httpx.Client]]) -
             http.close()
 
 
+#: The trainer start that published a version: its `lineage_id` and the step it resumed from
+#: (`lineage`), as its commit meta names them (`engine.trainer.publish`).
+Publisher = tuple[str, int]
+
+
+def publisher_of(meta: dict[str, object]) -> Publisher | None:
+    """The trainer start that published a version with commit meta `meta`; None for a folder
+    that names none (a resume checkpoint, a bare adapter)."""
+    lineage_id, start = meta.get("lineage_id"), meta.get("lineage")
+    return (str(lineage_id), start) if lineage_id and isinstance(start, int) else None
+
+
 @dataclass(frozen=True)
 class Served:
-    """One version a lineage has loaded: its name, its version and the folder servers read."""
+    """One version a lineage has loaded: its name, its version, the folder servers read and
+    the trainer start that published it."""
 
     name: str
     version: int
     folder: Path
+    publisher: Publisher | None = None
 
 
-def superseded(loaded: Sequence[Served], name: str, version: int) -> list[Served]:
-    """What serving `name` as policy `version` rolls back: every other loaded version numbered
-    `version` or later (a lineage moves forward unless its trainer resumed from an older
-    checkpoint, which abandons what it had published past it)."""
-    return [served for served in loaded if served.version >= version and served.name != name]
+def superseded(
+    loaded: Sequence[Served], name: str, version: int, publisher: Publisher | None = None
+) -> list[Served]:
+    """What serving `name` as policy `version`, published by `publisher`, rolls back: every
+    other loaded version numbered `version` or later (a lineage moves forward unless its
+    trainer resumed from an older checkpoint, which abandons what it had published past it),
+    and every one that another trainer start published past the step `publisher` resumed
+    from (what a dead trainer published past its checkpoint, even once the resumed one has
+    published past those numbers again)."""
+    return [
+        served
+        for served in loaded
+        if served.name != name
+        and (
+            served.version >= version
+            or (
+                publisher is not None
+                and served.publisher != publisher
+                and served.version > publisher[1]
+            )
+        )
+    ]
 
 
 class AdapterLineage:
@@ -165,11 +198,12 @@ class AdapterLineage:
         published = meta.get("uid")
         uid = str(published or hashlib.sha256(bytes(folder.resolve())).hexdigest())
         name = self.name(version, uid)
+        publisher = publisher_of(meta)
         current = next((served for served in self.loaded if served.name == name), None)
         clients = self._control()
         try:
             if current is None:
-                current = Served(name, version, self._copy(folder, uid, published))
+                current = Served(name, version, self._copy(folder, uid, published), publisher)
                 try:
                     self._load(clients, location, name, current.folder)
                 except BaseException:
@@ -178,7 +212,7 @@ class AdapterLineage:
             for endpoint in self.endpoints:
                 endpoint.model = name
                 endpoint.serve(version, meta)
-            dropped = superseded(self.loaded, name, version)
+            dropped = superseded(self.loaded, name, version, publisher)
             kept = [s for s in self.loaded if s is not current and s not in dropped]
             self.loaded = [*kept, current]
             self.held_uid = uid

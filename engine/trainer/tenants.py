@@ -56,6 +56,8 @@ class Tenant:
     publisher: PolicyPublisher
     loss_fn: LossFn
     next_step: int
+    #: When this trainer admitted the attempt, named in every answer about it.
+    admitted_at: float
     #: The adapter's parameters, sharded as the slot's are (stale while this tenant trains).
     adapter: list[torch.Tensor] = field(default_factory=list)
     last_trained: int = 0
@@ -217,6 +219,7 @@ class SharedTrainer:
             publisher=start_publishing(trainer, first - 1),
             loss_fn=build_loss(trainer_config.loss),
             next_step=first,
+            admitted_at=time.time(),
             last_trained=next(self._order),
         )
         self.tenants[name] = tenant
@@ -257,7 +260,8 @@ class SharedTrainer:
 
     def _answer(self, tenant: Tenant, status: Any, **details: Any) -> None:
         if self.dist.is_main:
-            TenantFiles(self.pool, tenant.name).answer(tenant.attempt, status, **details)
+            files = TenantFiles(self.pool, tenant.name)
+            files.answer(tenant.attempt, status, tenant.admitted_at, **details)
 
     @torch.no_grad()
     def _hold(self, tenant: Tenant | None) -> None:
