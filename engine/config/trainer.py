@@ -123,8 +123,19 @@ class PpoClipLossConfig(BuiltinLossConfig):
     ] = 0.28
 
 
+class PolicyGradientLossConfig(BuiltinLossConfig):
+    """Plain policy gradient, −A·log π_train, no importance weight: exactly on-policy GRPO with
+    one step per batch (TRL's update), biased by any staleness or trainer–inference mismatch."""
+
+    type: Literal["pg"] = "pg"
+
+
 LossConfig = Annotated[
-    AipoLossConfig | MaskedRatioLossConfig | PpoClipLossConfig | CustomPluginConfig,
+    AipoLossConfig
+    | MaskedRatioLossConfig
+    | PpoClipLossConfig
+    | PolicyGradientLossConfig
+    | CustomPluginConfig,
     Field(discriminator="type"),
 ]
 

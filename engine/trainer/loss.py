@@ -1,4 +1,5 @@
-"""Per-token losses: AIPO (default), masked ratio, PPO clip, SFT cross-entropy, and plugins.
+"""Per-token losses: AIPO (default), masked ratio, PPO clip, plain policy gradient, SFT
+cross-entropy, and plugins.
 
 Every loss maps flat per-token tensors of one micro-batch ([T] each, T = rows × seq_len) to a
 per-token loss [T] plus per-token metric values [T]. The caller weighs them (`LossInputs.weights`:
@@ -12,6 +13,7 @@ The formulas, with r = π_train(y|x) / π_inference(y|x) per sampled token and s
 - AIPO:          ℓ = -sg(min(r, cap)) · A · log π_train        (truncated importance weight, no KL)
 - masked ratio:  ℓ = -m · sg(r) · A · log π_train + β · (log r)²,   m = [low ≤ r ≤ high]
 - PPO clip:      ℓ = -min(r · A, clip(r, 1 - low, 1 + high) · A)   (GRPO's surrogate)
+- policy grad.:  ℓ = -A · log π_train                               (no importance weight)
 - SFT:           ℓ = -log π_train
 - entropy bonus (any built-in RL loss): ℓ ← ℓ - c · H(π_train)
 
@@ -33,6 +35,7 @@ from engine.config.trainer import (
     BuiltinLossConfig,
     LossConfig,
     MaskedRatioLossConfig,
+    PolicyGradientLossConfig,
     PpoClipLossConfig,
 )
 
@@ -143,6 +146,20 @@ def ppo_clip_loss(inputs: LossInputs, *, clip_low: float, clip_high: float) -> L
     )
 
 
+def policy_gradient_loss(inputs: LossInputs) -> LossOutputs:
+    """−A · log π_train: every token weighs 1, whatever sampled it.
+
+    On-policy this is the GRPO update of a trainer that samples with its own weights (its
+    ratio is exactly 1); against vLLM's samples it ignores the trainer–inference mismatch the
+    other losses correct for, which the `ratio` and `mismatch_kl` metrics still report.
+    """
+    lr = log_ratio(inputs).detach()
+    return LossOutputs(
+        token_loss=-inputs.advantages * inputs.logprobs,
+        metrics={"ratio": torch.exp(lr.clamp(-20.0, 20.0)), "mismatch_kl": mismatch_kl(inputs)},
+    )
+
+
 def with_entropy_bonus(loss_fn: LossFn, coef: float) -> LossFn:
     """`loss_fn` minus `coef` × the per-token entropy: a push back against entropy collapse."""
 
@@ -170,6 +187,8 @@ def _builtin(config: BuiltinLossConfig) -> LossFn:
             ratio_high=config.ratio_high,
             kl_coef=config.kl_coef,
         )
+    if isinstance(config, PolicyGradientLossConfig):
+        return policy_gradient_loss
     assert isinstance(config, PpoClipLossConfig)
     return partial(ppo_clip_loss, clip_low=config.clip_low, clip_high=config.clip_high)
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from engine.config.plugin import CustomPluginConfig
-from engine.config.trainer import AipoLossConfig, MaskedRatioLossConfig, PpoClipLossConfig
+from engine.config.trainer import (
+    AipoLossConfig,
+    MaskedRatioLossConfig,
+    PolicyGradientLossConfig,
+    PpoClipLossConfig,
+)
 from engine.trainer.loss import (
     LossInputs,
     LossOutputs,
@@ -18,6 +23,7 @@ from engine.trainer.loss import (
     masked_ratio_loss,
     masked_sums,
     normalise,
+    policy_gradient_loss,
     ppo_clip_loss,
     sequence_weights,
 )
@@ -110,8 +116,20 @@ def test_builtin_configs_build() -> None:
     assert build_loss(AipoLossConfig()).keywords == {"ratio_cap": 8.0}
     assert build_loss(MaskedRatioLossConfig()).keywords["kl_coef"] == 1e-3
     assert build_loss(PpoClipLossConfig()).keywords == {"clip_low": 0.2, "clip_high": 0.28}
+    assert build_loss(PolicyGradientLossConfig()) is policy_gradient_loss
     assert loss_normalization(AipoLossConfig(normalization="sequence")) == "sequence"
     assert loss_normalization(CustomPluginConfig(import_path="a.b:c")) == "token"
+
+
+def test_policy_gradient_weighs_every_token_one_whatever_sampled_it() -> None:
+    x = inputs([0.5, 1.0, 20.0, 3.0], [1.0, -2.0, 1.0, 1.0], [True, True, True, False])
+    out = policy_gradient_loss(x)
+    loss, metrics = masked_sums(out, x.loss_mask)
+    loss.backward()
+    # d loss / d logprob = -A on loss tokens, whatever the ratio; 0 off the mask.
+    torch.testing.assert_close(x.logprobs.grad, torch.tensor([-1.0, 2.0, -1.0, 0.0]))
+    assert metrics["ratio"].item() == pytest.approx(0.5 + 1.0 + 20.0)  # reported, not used
+    assert metrics["mismatch_kl"].item() > 0
 
 
 def test_ppo_clip_zeroes_the_gradient_only_past_the_clip_in_the_advantage_direction() -> None:
