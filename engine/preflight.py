@@ -35,7 +35,7 @@ from engine.envs import ChatTokenizer, Environment, Split
 from engine.envs.loader import load_environment, module_candidates, not_found
 from engine.envs.prompt_fit import longest_prompt
 from engine.models.resolve import resolve_model
-from engine.tenancy import NoSuchPoolError, PoolRecord, refusal
+from engine.tenancy.files import NoSuchPoolError, PoolRecord, refusal
 
 #: The stages a command may run.
 STAGES = ("sft", "rl", "eval")

@@ -10,6 +10,9 @@ watchdog allows fails as hung (`engine.watchdog`), its stacks saved. A stage who
 checkpoint is committed already starts nothing (`finished`). `run_eval` evaluates a policy and
 is the one place that decides which checkpoint an evaluation takes (`eval_step`).
 
+The loop drives its trainer side through `engine.stage_trainer.StageTrainer`: a trainer pool
+of the stage's own (`_Trainer`) or, for a tenant of shared pools, `TenantStage`.
+
 Every function takes the `Run` the caller opened (`engine.run.open_run`: its root store and
 logs folder) rather than rebuilding it from the config.
 """
@@ -19,20 +22,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from engine.config import PrimeflowConfig
-from engine.inference.control import ReloadError
 from engine.inference.on_demand import PoolOnDemand
 from engine.inference.serving import PolicyServing
 from engine.orchestrator.main import evaluate_policy, run_orchestrator
 from engine.process_groups import forget_group, record_group
 from engine.results import EvalResult, StageResult
 from engine.run import Run
-from engine.tenancy import ENDED, PoolRecord, TenantFiles, pool_dir, refusal
+from engine.stage_trainer import (
+    POLL_S,
+    Logger,
+    StageFailedError,
+    StageHungError,
+    StageTrainer,
+    StageWatch,
+    wait_for,
+)
+from engine.tenancy.stage import TenantStage
 from engine.trainer.pool import TrainerPool
-from engine.watchdog import ProgressClock, capture_stacks
+from engine.watchdog import capture_stacks
 from storage.checkpoints import require_committed
 from storage.commit import latest_committed_step
 from storage.evals import committed_summary
@@ -43,37 +53,10 @@ from storage.policies import forget_after
 from storage.store import ObjectStore
 
 log = logging.getLogger("primeflow.stages")
-#: Where a stage reports its milestones (a Prefect task passes its run logger).
-Logger = logging.Logger | logging.LoggerAdapter[Any]
 #: How long a stopping RL stage waits for its orchestrator thread (a commit in progress ends).
 ORCHESTRATOR_STOP_S = 60.0
 #: How long a hung trainer gets to end on SIGTERM before its group is killed.
 HUNG_STOP_S = 5.0
-#: How often a running stage is checked (trainer alive, orchestrator alive, hang).
-POLL_S = 1.0
-#: Longest time between two listings of the stage's metric lines by the hang watch.
-PROGRESS_POLL_S = 5.0
-
-
-class StageFailedError(RuntimeError):
-    """A stage's process exited with an error; the message names its log."""
-
-
-class StageCancelledError(RuntimeError):
-    """The stage was asked to stop (its flow run was cancelled): its trainer and orchestrator
-    were stopped, and a tenant withdrew from its shared pools."""
-
-
-class StageHungError(StageFailedError):
-    """A stage made no progress for longer than the watchdog allows; the message names the
-    processes that did not answer and `report`, which holds every process's stacks."""
-
-    def __init__(self, message: str, report: Path) -> None:
-        super().__init__(message)
-        self.report = report
-
-    def __reduce__(self) -> tuple[type[StageHungError], tuple[str, Path]]:
-        return type(self), (str(self), self.report)  # Prefect pickles task exceptions
 
 
 def total_steps(config: PrimeflowConfig, stage: Stage) -> int:
@@ -98,35 +81,10 @@ def finished(config: PrimeflowConfig, run: Run, stage: Stage) -> StageResult | N
     return outcome(run.store, stage, total, 0.0)
 
 
-class _Progress:
-    """The stage's progress as its committed metric lines show it, for the hang watch.
-
-    Storage is listed at most every `interval_s` (a quarter of the shortest silence the
-    watchdog allows, at most `PROGRESS_POLL_S`), not on every check of the trainer.
-    """
-
-    def __init__(self, store: ObjectStore, stages: tuple[str, ...], clock: ProgressClock):
-        self.store, self.stages, self.clock = store, stages, clock
-        self.interval_s = min(PROGRESS_POLL_S, clock.config.min_s / 4)
-        self.steps = self._read()  # lines of earlier attempts are not progress
-        self.read_at = time.monotonic()
-
-    def _read(self) -> tuple[int, ...]:
-        return tuple(latest_metric_step(self.store, stage) or 0 for stage in self.stages)
-
-    def poll(self) -> None:
-        if time.monotonic() - self.read_at < self.interval_s:
-            return
-        self.read_at = time.monotonic()
-        steps = self._read()
-        if steps != self.steps:
-            self.steps = steps
-            self.clock.beat()
-
-
 class _Trainer:
     """The stage's trainer pool: started, its process group recorded, and stopped however the
-    stage ends; `check` fails the stage if it hung, and stops it once `cancel` is set."""
+    stage ends; `check` fails the stage if it hung, and stops it once `cancel` is set. It is
+    a `StageTrainer`, as a tenant's side of shared pools is (`TenantStage`)."""
 
     def __init__(
         self,
@@ -137,10 +95,8 @@ class _Trainer:
         cancel: threading.Event | None = None,
     ) -> None:
         self.config, self.stage, self.logger = config, stage, logger
-        self.cancel = cancel
         self.logs = run.logs
-        also = ("orchestrator",) if stage == "rl" else ()
-        self.progress = _Progress(run.store, (stage, *also), ProgressClock(config.watchdog))
+        self.watch = StageWatch(run.store, stage, config.watchdog, cancel)
         self.pool = TrainerPool(config, stage, log_path=self.logs / f"trainer-{stage}.log")
 
     def __enter__(self) -> _Trainer:
@@ -157,25 +113,11 @@ class _Trainer:
         """The trainer's exit status, None while it trains."""
         return self.pool.poll()
 
-    def wait(self) -> int:
-        """Wait for the trainer to end (failing the stage if it hangs); its exit status."""
-        while (code := self.poll()) is None:
-            time.sleep(POLL_S)
-            self.check()
-        return code
-
-    def stop_if_cancelled(self) -> None:
-        """Raise `StageCancelledError` once `cancel` is set; leaving the stage's `with` blocks
-        stops what it started."""
-        if self.cancel is not None and self.cancel.is_set():
-            raise StageCancelledError(f"the {self.stage} stage was cancelled")
-
     def check(self) -> None:
         """Raise `StageHungError` once the stage has been silent too long, its stacks saved
         and the trainer stopped (a stopped rank ignores SIGTERM: only SIGKILL ends it)."""
-        self.stop_if_cancelled()
-        self.progress.poll()
-        stall = self.progress.clock.stall()
+        self.watch.stop_if_cancelled()
+        stall = self.watch.stall()
         if stall is None:
             return
         report = self.logs / f"hang-{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}.txt"
@@ -198,122 +140,6 @@ class _Trainer:
         )
 
 
-class _SharedTrainer(_Trainer):
-    """A tenant's side of the shared trainer (`engine.trainer.tenants`): its request, the
-    lease it renews while it lives, the trainer's answers; the tenant withdraws however the
-    stage ends, and the pools go on.
-
-    A restarted trainer admits the tenant again from its last checkpoint and deletes the
-    policy versions published past it. At each admission the tenant's servers catch up with
-    the newest version there is (`pool`), whose swap unloads the rolled-back ones
-    (`engine.inference.adapters.superseded`): the orchestrator would do it at its next
-    reload, but none comes once it has committed its last rollouts. A trainer that finishes
-    the tenant between two polls overwrites the `admitted` answer, so every answer names the
-    latest admission, and the stage ends only once it caught up: serving the final version.
-    """
-
-    def __init__(
-        self,
-        config: PrimeflowConfig,
-        run: Run,
-        logger: Logger,
-        pool: PolicyServing,
-        cancel: threading.Event | None = None,
-    ) -> None:
-        assert config.pools.name is not None
-        self.config, self.stage, self.logger = config, "rl", logger
-        self.cancel = cancel
-        self.logs = run.logs
-        self.store = run.store
-        self.serving = pool  # the shared inference pool: this tenant has no trainer pool
-        self.progress = _Progress(run.store, ("rl", "orchestrator"), ProgressClock(config.watchdog))
-        self.pools = config.pools.name
-        self.files = TenantFiles(self.pools, config.run.name)
-        self.attempt = ""
-        self._beating = threading.Event()
-        self._heart: threading.Thread | None = None
-        self._said: dict[str, Any] | None = None
-        #: When the trainer last admitted this attempt, as acted on, and whether the servers
-        #: are still to catch up with it.
-        self._admitted_at: float | None = None
-        self._catch_up = False
-
-    def __enter__(self) -> _SharedTrainer:
-        record = PoolRecord.read(self.pools)
-        refused = refusal(record, self.config)
-        if refused:
-            raise ValueError(refused)
-        self.attempt = self.files.request(self.config)
-        self._heart = threading.Thread(target=self._renew, name="tenant-lease", daemon=True)
-        self._heart.start()
-        self.logger.info(
-            "rl: training on the shared pools %r (tenant %s, attempt %s)",
-            self.pools,
-            self.config.run.name,
-            self.attempt[:8],
-        )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._beating.set()
-        if self._heart is not None:
-            self._heart.join()
-        self.files.withdraw(self.attempt)
-
-    def _renew(self) -> None:
-        while not self._beating.wait(self.config.pools.heartbeat_s):
-            self.files.renew(self.attempt)
-
-    def poll(self) -> int | None:
-        """0 once the shared trainer committed the last step and the servers caught up with
-        its latest admission; a failure raises (`check`)."""
-        self._said = self.files.state(self.attempt)
-        status = self._said["status"] if self._said else None
-        if status in ENDED and status != "finished":
-            raise self.failure(1)
-        admitted_at = self._said.get("admitted_at") if self._said else None
-        if admitted_at is not None and admitted_at != self._admitted_at:
-            self._admitted_at, self._catch_up = admitted_at, True
-        if self._catch_up:
-            self._catch_up = not self._serve_newest()
-        return 0 if status == "finished" and not self._catch_up else None
-
-    def _serve_newest(self) -> bool:
-        """Serve the newest committed policy version, as the orchestrator's next reload would;
-        whether it is served (one that cannot be yet is tried at the next poll)."""
-        step = latest_committed_step(self.store, RunLayout.POLICIES)
-        if step is None:
-            return False  # the trainer is still writing the version it starts from
-        try:
-            self.serving.reload(self.store.url(RunLayout.policy_dir(step)), step)
-        except ReloadError as exc:
-            self.logger.info("rl: policy version %d is not served yet: %s", step, exc)
-            return False
-        return True
-
-    def check(self) -> None:
-        """Fail the stage when the pools are gone or the stage went silent too long; stop it
-        once `cancel` is set (leaving it withdraws the tenant: the trainer lets it go)."""
-        self.stop_if_cancelled()
-        PoolRecord.read(self.pools)
-        self.progress.poll()
-        stall = self.progress.clock.stall()
-        if stall is not None:
-            log_path = pool_dir(self.pools) / "logs" / "trainer-tenants.log"
-            raise StageHungError(
-                f"the rl stage hung on the shared pools {self.pools!r}: "
-                f"{stall.describe(self.config.watchdog)}; the shared trainer's log is {log_path}",
-                log_path,
-            )
-
-    def failure(self, code: int) -> StageFailedError:
-        said = self._said or {}
-        return StageFailedError(
-            f"the shared trainer of pools {self.pools!r} {said.get('status', 'stopped')} this "
-            f"run: {said.get('error', f'status {code}')}"
-        )
-
-
 def run_sft(
     config: PrimeflowConfig,
     run: Run,
@@ -324,7 +150,7 @@ def run_sft(
     Setting `cancel` stops it (`StageCancelledError`)."""
     started = time.perf_counter()
     with _Trainer(config, run, "sft", logger, cancel) as trainer:
-        code = trainer.wait()
+        code = wait_for(trainer)
     if code != 0:
         raise trainer.failure(code)
     return _done(run, "sft", started, logger)
@@ -342,7 +168,7 @@ def run_rl(
     The orchestrator runs on a thread so that a trainer that died is noticed: the
     orchestrator would otherwise wait forever for the policy the async bound needs. A tenant
     of shared pools (`pools.name`) trains on the shared trainer instead of a pool of its own
-    (`_SharedTrainer`), and `pool` is its view of the shared inference pool. Setting `cancel`
+    (`TenantStage`), and `pool` is its view of the shared inference pool. Setting `cancel`
     stops the stage within a poll (`StageCancelledError`): the orchestrator and the trainer
     pool are stopped, or the tenant withdraws from the shared trainer.
 
@@ -369,10 +195,10 @@ def run_rl(
         except BaseException as exc:
             failure.append(exc)
 
-    side = (
+    side: StageTrainer = (
         _Trainer(config, run, "rl", logger, cancel)
         if config.pools.name is None
-        else _SharedTrainer(config, run, logger, pool, cancel)
+        else TenantStage(config, run, logger, pool, cancel)
     )
     with side as trainer:
         orchestrator = threading.Thread(target=orchestrate, name="orchestrator", daemon=True)
@@ -383,7 +209,7 @@ def run_rl(
                 trainer.check()
             if failure:
                 raise failure[0]
-            code = trainer.wait()
+            code = wait_for(trainer)
         finally:
             _stop_orchestrator(orchestrator, stop, logger)
     if code != 0:

@@ -118,7 +118,7 @@ def _deploy(argv: list[str], dry_run: bool) -> int:
 
 def _pools(argv: list[str], dry_run: bool) -> int:
     """`pools up @ config.toml ...` (foreground), `pools down --name N`, `pools status --name N`."""
-    from engine import shared_pools
+    from engine.tenancy import supervisor
 
     if argv[:1] == ["up"]:
         return _pools_up(argv[1:], dry_run)
@@ -127,9 +127,9 @@ def _pools(argv: list[str], dry_run: bool) -> int:
     parser.add_argument("--name", required=True, help="the shared pools' pools.name")
     args = parser.parse_args(argv)
     if args.action == "status":
-        print(json.dumps(shared_pools.status_of(args.name), indent=2, default=str))
+        print(json.dumps(supervisor.status_of(args.name), indent=2, default=str))
         return 0
-    killed = shared_pools.stop_running(args.name)
+    killed = supervisor.stop_running(args.name)
     if killed is None:
         print(f"no shared pools named {args.name!r} are running")
     else:

@@ -19,7 +19,7 @@ from prefect.client.schemas.objects import FlowRun, State
 from engine.config import PrimeflowConfig, with_overrides
 from engine.preflight import preflight
 from engine.process_groups import kill_recorded_groups
-from engine.tenancy import pool_dir
+from engine.tenancy.files import pool_dir
 from tasks.pools import start_shared_pools, stop_shared_pools
 
 

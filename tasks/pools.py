@@ -19,13 +19,13 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
 from engine.config import PrimeflowConfig
-from engine.inference.attached import AttachedPool
 from engine.inference.on_demand import PoolOnDemand
 from engine.inference.pool import InferencePool
 from engine.process_groups import forget_group, record_group
 from engine.run import Run
-from engine.shared_pools import SharedPools
-from engine.tenancy import PoolRecord
+from engine.tenancy.attached import AttachedPool
+from engine.tenancy.files import PoolRecord
+from engine.tenancy.supervisor import SharedPools
 
 #: Seconds a tenant slot's lease lasts unrenewed (Prefect's shortest).
 LEASE_S = 60.0

@@ -19,10 +19,9 @@ from engine.inference.on_demand import PoolOnDemand
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.results import EvalResult, StageResult
 from engine.run import Run
+from engine.stage_trainer import StageCancelledError, StageHungError
 from engine.stages import (
     EvalStep,
-    StageCancelledError,
-    StageHungError,
     finished,
     run_eval,
     run_rl,

@@ -4,7 +4,7 @@ vLLM keys its prefix cache by adapter name, so a new name can never be served KV
 under older weights, and no cache reset (which would preempt every request) is needed;
 `load_inplace` would re-read the adapter on every step (vllm#33791). Requests already running
 finish on the adapter they named. The pool's own lineage and each tenant of a shared pool
-(`engine.inference.attached`) each have an `AdapterLineage`, so a tenant's swap never touches
+(`engine.tenancy.attached`) each have an `AdapterLineage`, so a tenant's swap never touches
 another tenant's adapters.
 
 A name is `<lineage>@v<version>-<uid>`: the uid is drawn anew for every publication, so a

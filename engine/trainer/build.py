@@ -1,7 +1,7 @@
 """What one trainer rank trains with: the model (loaded, sharded, adapters attached), its
 optimizer and schedule, the stage's stores and checkpoint writer, and resuming from the newest
 intact checkpoint (`Trainer`). The RL and SFT loops (`engine.trainer.rl`, `engine.trainer.sft`)
-and the shared trainer's tenants (`engine.trainer.tenants`) build on it.
+and the shared trainer's tenants (`engine.tenancy.shared_trainer`) build on it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from engine.watchdog import STACKS_DIR_ENV
 from storage.layout import Stage
 
 #: What a trainer pool runs: one stage of one run, or the tenants of shared pools
-#: (`engine.trainer.tenants`).
+#: (`engine.tenancy.shared_trainer`).
 PoolStage = Stage | Literal["tenants"]
 #: A Python exception's summary line in a log: `package.module.SomeError: message`, after the
 #: `[rank0]: ` that torchrun puts before each line of a rank's output.
@@ -65,7 +65,7 @@ def torchrun_command(config: PrimeflowConfig, stage: PoolStage, config_path: Pat
             f"--rdzv-id={config.run.name}",
         ]
     if stage == "tenants":
-        return [*command, "-m", "engine.trainer.tenants", "--config", str(config_path)]
+        return [*command, "-m", "engine.tenancy.shared_trainer", "--config", str(config_path)]
     return [*command, "-m", "engine.trainer.worker", "--config", str(config_path), "--stage", stage]
 
 

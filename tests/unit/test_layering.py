@@ -68,7 +68,7 @@ def test_a_planted_violation_fails_the_check(
             cli.write_text(original)
     assert result.returncode != 0
     found = verdicts(result.stdout)
-    assert len(found) == 5, result.stdout
+    assert len(found) == 7, result.stdout
     broken = [name for name, status in found if status == "BROKEN"]
     assert broken == [name for name, _ in found if any(c in name for c in contracts)], broken
 

@@ -52,11 +52,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import PrimeflowConfig, with_overrides
-from engine.inference.attached import AttachedPool
 from engine.run import open_run, run_store
-from engine.shared_pools import SharedPools
 from engine.stages import run_rl
-from engine.tenancy import PoolRecord
+from engine.tenancy.attached import AttachedPool
+from engine.tenancy.files import PoolRecord
+from engine.tenancy.supervisor import SharedPools
 from storage.metrics import read_metrics
 from tests.bench.e2e.bench_async import emit, save
 from tests.bench.e2e.bench_gpu_rl import (

@@ -23,7 +23,7 @@ import pytest
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import local_run_dir, run_store
-from engine.stages import StageFailedError
+from engine.stage_trainer import StageFailedError
 from storage.commit import committed_steps
 from storage.errors import PermanentStorageError
 from storage.layout import RunLayout

@@ -25,13 +25,13 @@ from engine.config import PrimeflowConfig
 from engine.config.inference import LoraServingConfig
 from engine.config.trainer import LoraConfig
 from engine.inference.adapters import AdapterLineage, served_adapters
-from engine.inference.attached import AttachedPool
 from engine.inference.control import ReloadError, control_client
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from engine.local_checkpoints import adapter_copies_dir
 from engine.run import Run, run_store
-from engine.stages import _SharedTrainer
+from engine.tenancy.attached import AttachedPool
+from engine.tenancy.stage import TenantStage
 from storage.layout import RunLayout
 from storage.policies import forget_after
 from tests.integration.adapters import random_adapters
@@ -173,7 +173,7 @@ def test_a_tenant_finished_before_it_saw_its_readmission_catches_up_first(
         config=two_servers.config,
         cache_dir=tmp_path / "cache",
     )
-    stage = _SharedTrainer(config, Run(run_store(config), tmp_path / "local"), log, attached)
+    stage = TenantStage(config, Run(run_store(config), tmp_path / "local"), log, attached)
     store, files = stage.store, stage.files
     attempt = stage.attempt = files.request(config)
 

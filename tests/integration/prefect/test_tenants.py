@@ -30,8 +30,8 @@ from prefect.client.schemas.objects import State
 from engine.config import load_config
 from engine.models.resolve import resolve_model
 from engine.process_groups import GROUPS_FILE, recorded_groups
-from engine.shared_pools import TRAINER
-from engine.tenancy import PoolRecord, TenantFiles, pool_dir, read_pool_record
+from engine.tenancy.files import PoolRecord, TenantFiles, pool_dir, read_pool_record
+from engine.tenancy.supervisor import TRAINER
 from flows.deploy import REPO_ROOT
 from storage.commit import committed_steps, latest_committed_step, read_commit
 from storage.layout import RunLayout

@@ -1,4 +1,4 @@
-"""The shared trainer (`engine.trainer.tenants`) against real rollouts on disk: one torchrun
+"""The shared trainer (`engine.tenancy.shared_trainer`) against real rollouts on disk: one torchrun
 process holds the tiny model once and trains several LoRA tenants, each exactly as a trainer of
 its own would, while one tenant's bad data or lapsed lease touches nobody else.
 
@@ -21,7 +21,7 @@ import torch
 
 from engine.config import PrimeflowConfig, with_overrides
 from engine.run import run_store
-from engine.tenancy import TenantFiles
+from engine.tenancy.files import TenantFiles
 from engine.trainer.pool import TrainerPool
 from engine.trainer.worker import run_stage
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights

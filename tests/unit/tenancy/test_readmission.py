@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tenancy import TenantFiles
+from engine.tenancy.files import TenantFiles
 
 
 @pytest.fixture(autouse=True)

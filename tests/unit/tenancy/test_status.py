@@ -9,8 +9,8 @@ import pytest
 
 from engine.config import PrimeflowConfig
 from engine.run import run_store
-from engine.shared_pools import status_of
-from engine.tenancy import TenantFiles
+from engine.tenancy.files import TenantFiles
+from engine.tenancy.supervisor import status_of
 from storage.metrics import recent_metrics, write_metrics
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import PrimeflowConfig, with_overrides
-from engine.tenancy import (
+from engine.tenancy.files import (
     NoSuchPoolError,
     PoolRecord,
     TenantFiles,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import PrimeflowConfig, load_config
-from engine.tenancy import PoolRecord, lora_of
+from engine.tenancy.files import PoolRecord, lora_of
 from flows.cli import main
 
 TENANT = ["--pools.name", "p", "--trainer.lora.rank", "8", "--max-steps", "2"]

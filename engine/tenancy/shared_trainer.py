@@ -1,6 +1,6 @@
 """The shared trainer: one model in memory, one LoRA adapter and optimizer per tenant run.
 
-`python -m engine.trainer.tenants --config pools.json`, one process per rank under torchrun,
+`python -m engine.tenancy.shared_trainer --config pools.json`, one process per rank under torchrun,
 as `primeflow pools up` starts it. The base model is loaded and sharded once, with one adapter
 slot (FSDP2 fixes a unit's parameters when it shards it). Each tenant is a whole RL `Trainer`
 (`engine.trainer.build`) of its own run — optimizer, schedule, publisher, resume
@@ -8,7 +8,7 @@ checkpoints, metrics — around that shared model; while it trains, the slot hol
 adapter, and each tenant's adapter waits in device memory beside the model otherwise
 (a copy of ~1 % of the model's bytes at each switch).
 
-Rank 0 reads the tenants' files (`engine.tenancy`) and decides, for every rank
+Rank 0 reads the tenants' files (`engine.tenancy.files`) and decides, for every rank
 (`from_main`): whom to admit, whom to let go (its run withdrew, or its lease lapsed: the run
 died) and which tenant's committed step to train next, in turn among those that have one.
 A tenant's failure (bad data, a damaged checkpoint) fails that tenant only: it is told why
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from engine.config import PrimeflowConfig
-from engine.tenancy import ENDED, TenantFiles, lora_of, misfits, tenant_names
+from engine.tenancy.files import ENDED, TenantFiles, lora_of, misfits, tenant_names
 from engine.trainer.build import Trainer, load_start_adapter, policy_context, trainer_on
 from engine.trainer.distributed import DistInfo, from_main
 from engine.trainer.loss import LossFn, build_loss
@@ -289,7 +289,7 @@ def serve_tenants(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, byt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.trainer.tenants")
+    parser = argparse.ArgumentParser(prog="python -m engine.tenancy.shared_trainer")
     parser.add_argument("--config", required=True, help="the pools' PrimeflowConfig as JSON")
     args = parser.parse_args(argv)
     in_process_group(rank_config(args.config), serve_tenants)

@@ -28,7 +28,7 @@ from engine.local_checkpoints import (
     version_chain,
 )
 from engine.models.tiny import default_cache_dir
-from engine.tenancy import PoolRecord
+from engine.tenancy.files import PoolRecord
 from storage.checkpoints import is_adapter
 
 

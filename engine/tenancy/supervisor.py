@@ -1,6 +1,6 @@
 """The shared pool pair that `primeflow pools up` keeps running: one inference pool serving
 the base model with runtime LoRA, one trainer pool training every tenant's adapter
-(`engine.trainer.tenants`), both in process groups of their own.
+(`engine.tenancy.shared_trainer`), both in process groups of their own.
 
 The supervisor records them (`pool.json`, for tenants; `process-groups.json`, for whoever
 must kill them), restarts a trainer that died (tenants resume from their last committed
@@ -27,8 +27,8 @@ from engine.inference.control import control_client
 from engine.inference.pool import InferencePool
 from engine.process_groups import forget_group, kill_recorded_groups, record_group
 from engine.run import run_store
-from engine.stages import Logger
-from engine.tenancy import (
+from engine.stage_trainer import Logger
+from engine.tenancy.files import (
     PoolRecord,
     TenantFiles,
     lora_of,
