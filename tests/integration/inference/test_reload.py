@@ -290,6 +290,10 @@ def test_requests_in_flight_keep_the_oldest_version(
             while await asyncio.to_thread(generated_tokens, base_pool) == earlier:
                 assert asyncio.get_running_loop().time() < deadline, "nothing decoded in 60 s"
                 await asyncio.sleep(0.02)
+            # Freeze them mid-answer at once (a reload's own pause comes only after its checks,
+            # by when 600 tokens of the tiny model may be done); the reload pauses again and
+            # resumes them on the new weights.
+            await asyncio.to_thread(pause, base_pool)
             await asyncio.to_thread(base_pool.reload, weights.other)
             in_flight = not before.done()
             after = await client.generate(running[0], SamplingConfig(max_tokens=4))
@@ -316,6 +320,14 @@ def test_requests_in_flight_keep_the_oldest_version(
     assert all(version in (0, 1) for version, _ in stamps), stamps
     assert all(len(s.completion_ids) == len(s.logprobs) > 0 for group in before for s in group)
     assert [s.policy_version for s in after] == [1]
+
+
+def pause(pool: InferencePool) -> None:
+    """Pause the (one) server's generation as a reload does: requests keep their state."""
+    (server,) = pool.fleet.servers
+    with pool.fleet.control(server) as http:
+        response = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        response.raise_for_status()
 
 
 def generated_tokens(pool: InferencePool) -> int:
