@@ -50,6 +50,12 @@ def control_client(base_url: str, api_key: str, timeout_s: float) -> httpx.Clien
     )
 
 
+def pause_generation(http: httpx.Client) -> None:
+    """Pause a server's generation with its requests kept as they are (their KV too: a reload
+    resets it once, after its load, the same on every vLLM release)."""
+    expect_ok(http.post("/pause", params={"mode": "keep", "clear_cache": "false"}), "pause")
+
+
 def expect_ok(response: httpx.Response, what: str) -> None:
     """Raise `ReloadError` with vLLM's own message when a control call did not succeed."""
     if response.status_code == 200:

@@ -28,6 +28,7 @@ from engine.inference.control import (
     ServerDiedError,
     expect_ok,
     named_version,
+    pause_generation,
     unloadable,
 )
 from engine.inference.diagnose import failure_cause
@@ -235,8 +236,7 @@ class WeightSync:
         endpoint = self.fleet.endpoints[server.spec.index]
         with self.fleet.control(server) as http:
             paused = time.monotonic()
-            pause = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-            expect_ok(pause, "pause")
+            pause_generation(http)
             try:
                 loading = time.monotonic()
                 results = self.fleet.rpc(http, _RELOAD_METHOD, str(version), *map(str, folders))

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from engine.config.orchestrator import SamplingConfig
 from engine.inference.client import InferenceClient, Sample
-from engine.inference.control import ReloadError
+from engine.inference.control import ReloadError, pause_generation
 from engine.inference.pool import InferencePool
 from storage.checkpoints import write_checkpoint
 from storage.commit import commit_step, delete_step
@@ -326,8 +326,7 @@ def pause(pool: InferencePool) -> None:
     """Pause the (one) server's generation as a reload does: requests keep their state."""
     (server,) = pool.fleet.servers
     with pool.fleet.control(server) as http:
-        response = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-        response.raise_for_status()
+        pause_generation(http)
 
 
 def generated_tokens(pool: InferencePool) -> int:
