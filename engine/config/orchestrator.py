@@ -133,7 +133,14 @@ class OrchestratorConfig(BaseConfig):
             "behind the served policy (the limit for rollouts that outlive their batch).",
         ),
     ] = 8
-    max_concurrent: Annotated[int, Field(ge=1, description="In-flight rollout requests.")] = 64
+    max_concurrent: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="In-flight rollout requests, at most: no more start than the batches "
+            "within the async bound still lack.",
+        ),
+    ] = 64
     poll_interval_s: Annotated[
         float,
         Field(

@@ -4,7 +4,11 @@ Policy version v is the weights after trainer step v (0: the starting weights); 
 makes version n from batch n. Rollouts for batch n start only while the pool serves a version
 >= n - 1 - max_async_level (`may_sample_for`): with `max_async_level = 0` batch n is sampled
 from version n - 1 exactly (synchronous, on-policy); with 1, the orchestrator may sample batch
-n + 1 while the trainer works on batch n.
+n + 1 while the trainer works on batch n. The orchestrator starts only as many rollouts as
+the batches up to `newest_batch_for(served)` still lack, not `max_concurrent` whatever they
+lack: a surplus would land in later batches, more versions behind than the bound allows (with
+256 in flight for 128-sample batches, half of every batch came two or three versions late, and
+learning per step fell well below the on-policy run's; docs/benchmarks.md).
 
 A rollout that outlives the batch it started for (a multi-turn or tool rollout, during which
 the pool may load newer weights between turns; every token records the version that sampled
@@ -35,6 +39,12 @@ def min_policy_version(step: int, max_async_level: int) -> int:
 def may_sample_for(step: int, served_version: int, max_async_level: int) -> bool:
     """Whether what the pool serves now may go into batch `step` (else wait for the trainer)."""
     return served_version >= min_policy_version(step, max_async_level)
+
+
+def newest_batch_for(served_version: int, max_async_level: int) -> int:
+    """The newest batch that rollouts started on `served_version` are sampled for: the
+    orchestrator starts no more than the batches up to it lack, so that none lands beyond."""
+    return served_version + 1 + max_async_level
 
 
 def stale_reason(

@@ -87,12 +87,12 @@ class BatchBuilder:
     def full(self) -> bool:
         return self.size >= self._batch_size
 
-    def rollouts_short(self, last: BatchYield | None) -> float:
-        """About how many more rollouts fill the batch, at what the last batch (`last`) got
-        from each: a token budget is sized at this batch's mean sample, else at the last
-        one's, else it cannot be told (infinity); filters and stale groups thin the yield,
-        multi-turn splits raise it."""
-        missing: float = self._batch_size - self.size
+    def rollouts_short(self, last: BatchYield | None, later_batches: int = 0) -> float:
+        """About how many more rollouts fill the batch and `later_batches` more of its size,
+        at what the last batch (`last`) got from each: a token budget is sized at this batch's
+        mean sample, else at the last one's, else it cannot be told (infinity); filters and
+        stale groups thin the yield, multi-turn splits raise it."""
+        missing: float = self._batch_size * (1 + later_batches) - self.size
         if self._unit == "tokens":
             sizing = BatchYield.of(self.batch) or last
             if sizing is None:

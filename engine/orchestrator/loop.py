@@ -33,7 +33,7 @@ from engine.inference.control import (
 )
 from engine.inference.serving import PolicyServing
 from engine.orchestrator.advantages import build_advantage_fn
-from engine.orchestrator.async_bound import may_sample_for, min_policy_version
+from engine.orchestrator.async_bound import may_sample_for, min_policy_version, newest_batch_for
 from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.online_eval import OnlineEval, is_due
@@ -183,7 +183,7 @@ class Orchestrator:
             if builder.full:
                 return builder.batch
             if may_sample_for(step, served, self.config.max_async_level):
-                self._top_up(builder)
+                self._top_up(builder, served)
             if not self._inflight:
                 blocked_since = blocked_since or time.monotonic()
                 self._check_wait(step, served, time.monotonic() - blocked_since)
@@ -224,19 +224,17 @@ class Orchestrator:
             f"{waited_s:.0f} s (orchestrator.policy_timeout_s); is the trainer running?"
         )
 
-    def _top_up(self, builder: BatchBuilder) -> None:
-        """Start groups until `max_concurrent` rollouts are in flight (at least one group).
-
-        On-policy (`max_async_level = 0`), only as many as the batch still lacks at the last
-        batch's yield (filters thin it): every rollout in flight was started for this batch,
-        and one that lands after it closed is stale for the next and thrown away (with
-        `max_concurrent` at twice the batch, half of all sampling was). Async, the surplus
-        goes into the next batches.
+    def _top_up(self, builder: BatchBuilder, served: int) -> None:
+        """Start groups until `max_concurrent` rollouts are in flight (at least one group), but
+        no more than the batches that rollouts started on the `served` version may go into
+        still lack (`newest_batch_for`): on-policy only this batch, async up to
+        `max_async_level` more. A surplus would land in later batches, further behind than the
+        bound (or, on-policy, be thrown away as stale). Each batch's need is sized at the last
+        batch's yield (filters thin it).
         """
         per_group = self.config.rollouts_per_example
-        wanted = math.inf
-        if self.config.max_async_level == 0:
-            wanted = builder.rollouts_short(self._last_yield)
+        later = max(0, newest_batch_for(served, self.config.max_async_level) - builder.batch.step)
+        wanted = builder.rollouts_short(self._last_yield, later)
         while not self._inflight or (
             (len(self._inflight) + 1) * per_group <= self.config.max_concurrent
             and len(self._inflight) * per_group < wanted

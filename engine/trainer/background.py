@@ -10,6 +10,7 @@ with the storage error itself (its type and the object's URI).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -20,6 +21,9 @@ class BackgroundWrite:
         self.what = what
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        #: How long the last job that ended ran: on-policy, the trainer's write of a policy
+        #: version is on the step's critical path, however little it stalls the trainer.
+        self.last_seconds = 0.0
 
     def start(self, name: str, job: Callable[[], object]) -> None:
         """Run `job` on a thread called `name`; the previous one must have been waited for."""
@@ -29,10 +33,13 @@ class BackgroundWrite:
         self._thread.start()
 
     def _run(self, job: Callable[[], object]) -> None:
+        started = time.perf_counter()
         try:
             job()
         except BaseException as exc:  # raised on the trainer's thread by `wait`
             self._error = exc
+        finally:
+            self.last_seconds = time.perf_counter() - started
 
     def wait(self) -> None:
         """Wait for the job in flight; raise its error, if it failed."""

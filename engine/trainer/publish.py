@@ -128,7 +128,8 @@ class PolicyPublisher:
         """Snapshot the policy as version `step` and write it in the background (collective).
 
         Returns the seconds this step stalled (waiting for the previous publication, taking the
-        snapshot), whether the version is full and the fraction of entries that changed. A
+        snapshot), how long the previous version took to write and commit behind training
+        (on-policy the pool waits for it), whether the version is full and the fraction of entries that changed. A
         failed earlier publication is raised here.
         """
         started = time.perf_counter()
@@ -169,6 +170,7 @@ class PolicyPublisher:
         return {
             "publish_wait_seconds": waited,
             "publish_snapshot_seconds": time.perf_counter() - started - waited,
+            "publish_write_seconds": self._writes.last_seconds,  # the previous version's
             "policy_full": float(not as_delta),
             "policy_changed_fraction": changed / max(total, 1),
         }
@@ -363,6 +365,7 @@ class AdapterPublisher(PolicyPublisher):
         return {
             "publish_wait_seconds": waited,
             "publish_snapshot_seconds": time.perf_counter() - started - waited,
+            "publish_write_seconds": self._writes.last_seconds,  # the previous version's
             "policy_full": 1.0,
             "policy_bytes": float(sum(self._sizes.values()) * self.dtype.itemsize),
         }

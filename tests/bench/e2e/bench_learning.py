@@ -188,13 +188,18 @@ def learning_health(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, fl
         "stale_rollouts": sum(
             _series(orch, "count/stale/off_policy") + _series(orch, "count/stale/async_bound")
         ),
+        # How many versions behind the trained one its oldest rollout was (0: on-policy).
+        "policy_lag_max": _mean(_series(train, "policy_lag_max")),
     }
 
 
 def loop_timing(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, float | None]:
-    """Where a step's time goes, medians over the run: the trainer's own compute and its wait
-    for rollouts, the pool's sampling rate and its weight swaps (fetch, load, the whole pause)."""
+    """Where a step's time goes, medians over the run: the trainer's own compute, its wait
+    for rollouts and its write of a policy version behind the step, the pool's sampling rate
+    and its weight swaps (fetch, load, the whole pause)."""
     times = _series(train, "time")
+    trained = {line["step"]: line["time"] for line in train if "time" in line}
+    sampled = {line["step"]: line["time"] for line in orch if "time" in line}
     swap_phases = sorted({k for line in orch for k in line if k.startswith("time/reload_")})
     return {
         "step_s_median": statistics.median(b - a for a, b in itertools.pairwise(times))
@@ -202,6 +207,17 @@ def loop_timing(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, float 
         else None,
         "train_s_median": _median(_series(train, "step_seconds")),
         "wait_s_median": _median(_series(train, "wait_seconds")),
+        "publish_write_s_median": _median(_series(train, "publish_write_seconds")),
+        # The loop's two halves, from each side's metric line (written as it ends its part):
+        # batch n committed -> trained and snapshotted (trainer poll, read, step, snapshot),
+        # then -> batch n + 1 committed (version write, pool poll, swap, sampling, commit).
+        # On-policy they add up to the step; async they overlap.
+        "rollouts_to_trained_s_median": _median(
+            [trained[n] - sampled[n] for n in trained if n in sampled]
+        ),
+        "trained_to_rollouts_s_median": _median(
+            [sampled[n + 1] - trained[n] for n in trained if n + 1 in sampled]
+        ),
         "sampled_tokens_per_s": _median(_series(orch, "throughput/tokens_per_s")),
         "policy_wait_s_median": _median(_series(orch, "time/policy_wait_s")),
         **{f"{k.removeprefix('time/')}_median": _median(_series(orch, k)) for k in swap_phases},

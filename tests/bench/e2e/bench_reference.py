@@ -283,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "recipe": config.model_dump(mode="json", include={"trainer", "orchestrator", "eval"}),
         "arms": flags,
     }
+    lines: dict[str, dict[str, list[dict]]] = {}  # every arm's metric lines, beside the result
     with InferencePool.for_run(config, local_run_dir(config) / "logs") as pool:
         for name, arm in arms.items():
             result[name] = run_arm(arm, pool, sft, args)
@@ -290,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
             result.setdefault("timing", {})[name] = loop_timing(train, orch)
             result.setdefault("health", {})[name] = learning_health(train, orch)
+            lines[name] = {"rl": train, "orchestrator": orch}
             save(result, str(out))
+            save(lines, str(out.with_name(f"{out.stem}-metrics.json")))
         if not args.skip_reference:
             trl_clock, trl_kept, result["health"]["reference"] = run_reference(
                 args, config, sft, workdir

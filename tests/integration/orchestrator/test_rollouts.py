@@ -21,6 +21,7 @@ from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig
 from engine.envs import load_environment
 from engine.inference.pool import InferencePool
+from engine.orchestrator.async_bound import min_policy_version
 from engine.orchestrator.main import run_orchestrator
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.orchestrator.skips import EnvironmentSkippedError
@@ -191,6 +192,27 @@ def test_synchronous_bound_waits_for_and_loads_the_next_policy_version(
     assert all(seconds > 0 for seconds in phases), swap
     assert swap["time/reload_load_s"] < swap["time/reload_paused_s"]
     assert swap["time/reload_fetch_s"] + swap["time/reload_paused_s"] <= swap["time/reload_s"]
+
+
+def test_async_sampling_starts_no_more_than_the_bound_lets_batches_take(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig], tiny_model: Path
+) -> None:
+    """With four batches' worth in flight allowed, rollouts started on version 0 once filled
+    batches 1-4, two versions beyond `max_async_level = 1`; now only batches 1 and 2."""
+    config = make_config(max_steps=4, orchestrator={"max_async_level": 1, "max_concurrent": 32})
+
+    def trainer() -> None:
+        for step in range(1, 4):
+            _publish_after_rollouts(config, tiny_model, step)
+
+    publisher = threading.Thread(target=trainer)
+    publisher.start()
+    assert run_orchestrator(config, pool) == 0
+    publisher.join()
+
+    for step in range(1, 5):
+        versions = {row["policy_version"] for row in rows_of(config, step)}
+        assert min(versions) >= min_policy_version(step, 1), (step, versions)
 
 
 class HeldReloads:

@@ -85,6 +85,8 @@ def test_every_step_publishes_the_weights_in_the_serving_dtype(
     lines = read_metrics(store, "rl")
     assert all(line["publish_wait_seconds"] >= 0 for line in lines)
     assert all(line["publish_snapshot_seconds"] > 0 for line in lines)
+    # Every version after the first was written behind a step, and the next step says how long.
+    assert all(line["publish_write_seconds"] > 0 for line in lines[1:])
 
 
 def test_deltas_rebuild_every_version_exactly_and_retention_keeps_their_chains(

@@ -1,12 +1,14 @@
 """The async bound under random trainer, reload and rollout timings (a discrete-event model).
 
-The model drives the orchestrator's own decisions — `may_sample_for` gates new rollouts and
-`BatchBuilder` admits finished groups — against a trainer that turns batch n into policy n after
+The model drives the orchestrator's own decisions — `may_sample_for` gates new rollouts,
+`newest_batch_for` caps how many start, and `BatchBuilder` admits finished groups — against a trainer that turns batch n into policy n after
 a random time, a pool that serves each checkpoint after a random reload delay, and rollouts of
 random length stamped with the policy served when they started. Whatever the timings: every
 rollout started under the bound of the batch being built then (and, synchronous, only the
 previous policy trains each batch), no batch holds a group further behind the served policy
-than `max_off_policy_steps`, every stale sample is dropped and counted, none is lost.
+than `max_off_policy_steps`, every stale sample is dropped and counted, none is lost. And when
+rollouts take equally long, every batch is sampled within the bound: no surplus started for
+later batches lands further behind.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.orchestrator.async_bound import may_sample_for, min_policy_version, stale_reason
+from engine.orchestrator.async_bound import (
+    may_sample_for,
+    min_policy_version,
+    newest_batch_for,
+    stale_reason,
+)
 from engine.orchestrator.batch import BatchBuilder, StepBatch
 from engine.orchestrator.samples import Group
 from tests.unit.orchestrator.helpers import group
@@ -83,8 +90,13 @@ def simulate(
                 current = builder(step)
         if step > steps:
             break
-        # Start rollouts while the pool's policy may go into the batch being built.
-        while in_flight < concurrency and may_sample_for(step, served, max_async_level):
+        # Start rollouts while the pool's policy may go into the batch being built, as many as
+        # the batches it may go into still lack (at least one group, as the loop does).
+        later = max(0, newest_batch_for(served, max_async_level) - step)
+        wanted = current.rollouts_short(None, later)
+        while may_sample_for(step, served, max_async_level) and (
+            in_flight == 0 or (in_flight < concurrency and in_flight * group_size < wanted)
+        ):
             gid = next(group_ids)
             versions[gid], launched_for[gid] = served, step
             in_flight += 1
@@ -191,3 +203,42 @@ def test_the_bound_itself() -> None:
     synchronous = {**kwargs, "max_async_level": 0}
     assert stale_reason(4, **synchronous, max_off_policy_steps=8) is None
     assert stale_reason(3, **synchronous, max_off_policy_steps=8) == "stale/async_bound"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.integers(1, 8),
+    max_async_level=st.integers(0, 3),
+    concurrency=st.integers(1, 12),
+    group_size=st.integers(1, 3),
+    groups_per_batch=st.integers(1, 4),
+    rollout_time=st.floats(0.01, 10.0),
+    train_times=durations,
+    reload_times=durations,
+)
+def test_rollouts_of_equal_length_are_all_sampled_within_the_async_bound(
+    steps: int,
+    max_async_level: int,
+    concurrency: int,
+    group_size: int,
+    groups_per_batch: int,
+    rollout_time: float,
+    train_times: list[float],
+    reload_times: list[float],
+) -> None:
+    """More in flight than a batch (`max_concurrent` above the batch size) once started a
+    surplus on an old version that landed batches later, beyond the bound."""
+    batches, admissions, _, _ = simulate(
+        steps=steps,
+        max_async_level=max_async_level,
+        max_off_policy_steps=100,
+        concurrency=concurrency,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        rollout_times=[rollout_time],
+        train_times=train_times,
+        reload_times=reload_times,
+    )
+    assert [b.step for b in batches] == list(range(1, steps + 1))
+    for step, version, _, _ in admissions:
+        assert version >= min_policy_version(step, max_async_level), (step, version)
