@@ -129,8 +129,8 @@ class PolicyPublisher:
 
         Returns the seconds this step stalled (waiting for the previous publication, taking the
         snapshot), how long the previous version took to write and commit behind training
-        (on-policy the pool waits for it), whether the version is full and the fraction of entries that changed. A
-        failed earlier publication is raised here.
+        (on-policy the pool waits for it), whether the version is full and the fraction of
+        entries that changed. A failed earlier publication is raised here.
         """
         started = time.perf_counter()
         self.flush()

@@ -42,30 +42,43 @@ def test_the_tree_keeps_every_contract(copy: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("planted", "code", "contracts"),
+    ("edits", "contracts"),
     [
-        ("storage/planted.py", "import prefect\n", ["never import Prefect"]),
-        ("storage/planted.py", "import engine.config\n", ["storage imports", "flows above"]),
-        ("engine/planted.py", "import tasks.stages\n", ["never import Prefect", "flows above"]),
-        ("flows/planted.py", "import flows.cli\n", ["no import cycles"]),
-        ("engine/trainer/planted.py", "import engine.inference.pool\n", ["pools never import"]),
+        ({"storage/planted.py": "import prefect\n"}, ["never import Prefect"]),
+        ({"storage/planted.py": "import engine.config\n"}, ["storage imports", "flows above"]),
+        ({"engine/planted.py": "import tasks.stages\n"}, ["never import Prefect", "flows above"]),
+        (  # a cycle needs both directions
+            {"flows/planted.py": "import flows.cli\n", "flows/cli.py": "import flows.planted\n"},
+            ["no import cycles"],
+        ),
+        ({"engine/trainer/planted.py": "import engine.inference.pool\n"}, ["pools never import"]),
+        (
+            {"engine/tenancy/shared_trainer.py": "import engine.inference.pool\n"},
+            ["never imports the inference pool"],
+        ),
+        (
+            {"engine/tenancy/attached.py": "import engine.trainer.model\n"},
+            ["never imports the trainer pool"],
+        ),
     ],
 )
 def test_a_planted_violation_fails_the_check(
-    copy: Path, planted: str, code: str, contracts: list[str]
+    copy: Path, edits: dict[str, str], contracts: list[str]
 ) -> None:
-    path = copy / planted
-    if planted == "flows/planted.py":  # a cycle needs both directions
-        cli = copy / "flows" / "cli.py"
-        original = cli.read_text()
-        cli.write_text(original + "\nimport flows.planted  # noqa\n")
-    path.write_text(code)
+    """Each edit appends an import to a module of the copy (a new one, or an existing one)."""
+    originals = {
+        path: (copy / path).read_text() if (copy / path).exists() else None for path in edits
+    }
+    for path, code in edits.items():
+        (copy / path).write_text((originals[path] or "") + "\n" + code)
     try:
         result = lint(copy)
     finally:
-        path.unlink()
-        if planted == "flows/planted.py":
-            cli.write_text(original)
+        for path, original in originals.items():
+            if original is None:
+                (copy / path).unlink()
+            else:
+                (copy / path).write_text(original)
     assert result.returncode != 0
     found = verdicts(result.stdout)
     assert len(found) == 7, result.stdout

@@ -1,15 +1,14 @@
 """The async bound under random trainer, reload and rollout timings (a discrete-event model).
 
 The model drives the orchestrator's own decisions — `may_sample_for` gates new rollouts,
-`newest_batch_for` caps how many start, and `BatchBuilder` admits finished groups — against a trainer that turns batch n into policy n after
-a random time, a pool that serves each checkpoint after a random reload delay, and rollouts of
-random length stamped with the policy served when they started. Whatever the timings: every
-rollout started under the bound of the batch being built then (and, synchronous, only the
-previous policy trains each batch), no batch holds a group further behind the served policy
-than `max_off_policy_steps`, every stale sample is dropped and counted, none is lost. And when
-rollouts take equally long, every batch is sampled within the bound: no surplus started for
-later batches lands further behind.
-"""
+`newest_batch_for` caps how many start, and `BatchBuilder` admits finished groups — against a
+trainer that turns batch n into policy n after a random time, a pool that serves each checkpoint
+after a random reload delay, and rollouts of random length stamped with the policy served when
+they started. Whatever the timings: every rollout started under the bound of the batch being
+built then (and, synchronous, only the previous policy trains each batch), no batch holds a
+group further behind the served policy than `max_off_policy_steps`, every stale sample is
+dropped and counted, none is lost. And when rollouts take equally long, every batch is sampled
+within the bound: no surplus started for later batches lands further behind."""
 
 from __future__ import annotations
 
