@@ -121,6 +121,12 @@ def announce_checkpoints(
     return news
 
 
+#: How long a stage's end waits for its last progress report: after it completed, and after
+#: it failed or was cancelled.
+FINAL_REPORT_S = 30.0
+ABORT_REPORT_S = 3.0
+
+
 @dataclass
 class StageMonitor:
     """Context manager: while the stage runs, poll storage and report; report once more at exit.
@@ -173,14 +179,21 @@ class StageMonitor:
     ) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._report(final=True)
+            # A stage that failed or was cancelled must end promptly (a cancelled tenant gives
+            # its slot back within seconds), whatever a report waits on: a Prefect request
+            # that the server never answers holds the thread for the API timeout (a minute).
+            self._thread.join(timeout=FINAL_REPORT_S if exc_type is None else ABORT_REPORT_S)
+            if self._thread.is_alive():
+                log.warning("%s: the last progress report did not finish; not waiting", self.stage)
         if self._bar is not None:
             self._bar.close()
 
     def _loop(self) -> None:
+        """Report every `interval_s`, and once more when the stage ends (on this thread too, so
+        that the stage's exit never waits on the Prefect server longer than it chooses to)."""
         while not self._stop.wait(self.interval_s):
             self._report()
+        self._report(final=True)
 
     def _report(self, final: bool = False) -> None:
         """Poll and update the UI; a failure (the Prefect server restarting, say) is a warning:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from storage.commit import committed_steps
 from storage.layout import RunLayout
 from storage.metrics import write_metrics
 from storage.store import ObjectStore
-from tasks.reporting import StageMonitor, announce_checkpoints, artifact_key
+from tasks.reporting import ABORT_REPORT_S, StageMonitor, announce_checkpoints, artifact_key
 from tests.integration.prefect.events import event_steps
 
 pytestmark = pytest.mark.integration
@@ -142,3 +143,36 @@ def test_a_checkpoint_committed_while_nobody_watched_is_announced_once_when_watc
     assert event_steps(run, "rl", [2, 4]) == [2, 4]  # each once
     time.sleep(2)  # and no late duplicate either
     assert event_steps(run, "rl", [2, 4], timeout_s=0) == [2, 4]
+
+
+def test_a_stage_that_fails_does_not_wait_on_a_report_that_hangs(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """A cancelled tenant must give its slot back within seconds: once, its last report waited
+    a minute on a Prefect request the server never answered. Here a report hangs in `on_step`
+    (a metrics sink that blocks); the stage fails, and its end waits only `ABORT_REPORT_S`."""
+    store = ObjectStore(f"file://{tmp_path}/runs/hung")
+    inside, release = threading.Event(), threading.Event()
+
+    def hanging_sink(line: object) -> None:
+        inside.set()
+        release.wait(60)
+
+    @flow(name="monitor-hung")
+    def stage() -> float:
+        try:
+            with StageMonitor(
+                store, "hung", "rl", total_steps=3, interval_s=0.1, on_step=hanging_sink
+            ):
+                write_metrics(store, "rl", 1, {"loss": 0.5})
+                assert inside.wait(30), "the monitor never reported step 1"
+                failed_at = time.monotonic()
+                raise RuntimeError("the stage failed")
+        except RuntimeError:
+            return time.monotonic() - failed_at
+
+    try:
+        waited = stage()
+    finally:
+        release.set()
+    assert waited < ABORT_REPORT_S + 2, waited
