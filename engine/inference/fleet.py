@@ -42,7 +42,10 @@ class InferencePoolError(RuntimeError):
     """The pool could not start, or a server failed; the message says which and why."""
 
 
-def _detect_device() -> str:
+def serving_device(config: InferenceConfig) -> str:
+    """Where the servers run: `config.device`, with auto resolved (CUDA when a GPU is visible)."""
+    if config.device != "auto":
+        return config.device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,7 +70,7 @@ class ServerFleet:
         self.revision = revision
         key = config.api_key.get_secret_value() if config.api_key else None
         self.api_key = key or secrets.token_urlsafe(32)
-        self.device = _detect_device() if config.device == "auto" else config.device
+        self.device = serving_device(config)
         self.endpoints: list[Endpoint] = []
         self.servers: list[ServerProcess] = []
         self._model_path: str | None = None

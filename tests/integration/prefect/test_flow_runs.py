@@ -167,13 +167,14 @@ def final_state(flow_run_id: UUID, timeout_s: float) -> FlowRun:
 @pytest.mark.timeout(1200)
 def test_cancelling_a_run_leaves_no_pool_process(worker: Path, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    flow_run_id = start_run("cancel-me", runs)
+    flow_run_id = start_run("cancel-me", runs, max_steps=1000)  # RL runs until cancelled
     run_dir = runs / "cancel-me"
-    # Both pools are up while SFT runs: the vLLM server and the torchrun group.
+    # Both pools are up once RL runs (SFT's few steps may end before the vLLM server, which
+    # starts beside them, is up): the vLLM server and a torchrun group.
     groups = wait_until(
-        lambda: (g := recorded_groups(run_dir)) and {"inference-0", "trainer-sft"} <= set(g) and g,
+        lambda: (g := recorded_groups(run_dir)) and "inference-0" in g and "trainer-rl" in g and g,
         600,
-        "the inference and trainer pools to start",
+        "the inference and RL trainer pools to start",
     )
     assert read_run(flow_run_id).name == "cancel-me"  # run.name given through overrides
 
