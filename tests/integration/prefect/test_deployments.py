@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,15 @@ from prefect.events import emit_event
 from prefect.exceptions import PrefectHTTPStatusError
 
 from tasks.reporting import CHECKPOINT_EVENT, run_resource
+from tests.integration.prefect.deployments import leave_quiet
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def deployed(
+    prefect_api: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     exe = Path(sys.executable).with_name("primeflow")
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     env["PRIMEFLOW_HOME"] = str(tmp_path_factory.mktemp("home"))
@@ -44,7 +48,8 @@ def deployed(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> dict
                 ]
             }
 
-    return asyncio.run(read())
+    yield asyncio.run(read())
+    leave_quiet()  # the schedule and trigger these tests turn on make no work for later modules
 
 
 async def _runs_of(deployment_id: Any) -> list:

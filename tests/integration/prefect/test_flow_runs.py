@@ -33,6 +33,7 @@ from storage.commit import committed_steps, read_commit
 from storage.layout import RunLayout
 from storage.store import ObjectStore
 from tasks.reporting import artifact_key
+from tests.integration.prefect.deployments import checkpoint_trigger, leave_quiet
 from tests.integration.prefect.events import checkpoint_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,7 +58,7 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     assert deployed.returncode == 0, deployed.stderr + deployed.stdout
     # Every checkpoint these runs commit would start an `evaluate/on-checkpoint` run on this
     # worker, with a vLLM server of its own, beside the run under test: its trigger is paused
-    # for the module (test_deployments.py tests it).
+    # (test_deployments.py tests it), and stays paused for the modules after this one.
     asyncio.run(checkpoint_trigger(paused=True))
     log = (home / "worker.log").open("wb")
     process = subprocess.Popen(
@@ -77,22 +78,7 @@ def worker(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
-        asyncio.run(checkpoint_trigger(paused=False))
-
-
-async def checkpoint_trigger(*, paused: bool) -> None:
-    """Pause or resume the automations of the `evaluate/on-checkpoint` deployment."""
-    async with get_client() as client:
-        deployment = await client.read_deployment_by_name("evaluate/on-checkpoint")
-        automations = await client.read_resource_related_automations(
-            f"prefect.deployment.{deployment.id}"
-        )
-        assert automations, "evaluate/on-checkpoint has no trigger to pause"
-        for automation in automations:
-            if paused:
-                await client.pause_automation(automation.id)
-            else:
-                await client.resume_automation(automation.id)
+        leave_quiet()
 
 
 def start_run(run_name: str, runs: Path, **overrides: Any) -> UUID:
