@@ -91,19 +91,14 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
     get_run_logger().info("run %s at %s", config.run.name, run.store.url())
     sft_result = eval_sft = None
     with metrics_sink(config, run) as sink, inference_pool(config, run) as pool:
-        if config.sft.enabled and serving_device(config.inference) == "cpu":
-            # The pool's start and the base evaluation beside SFT's trainer (RAM is not a
-            # device whose memory vLLM sizes itself by at start, as a GPU's is).
-            base = evaluate_checkpoint.submit(config, run, pool, name="base", sink=sink)
-            try:
-                sft_result = sft_warmup(config, run, sink)
-            finally:
-                base.wait()  # no evaluation outlives the pool, whatever ended SFT
-            eval_base = base.result()
-        else:
-            eval_base = evaluate_checkpoint(config, run, pool, name="base", sink=sink)
-            if config.sft.enabled:
-                sft_result = sft_warmup(config, run, sink)
+        base = evaluate_checkpoint.submit(config, run, pool, name="base", sink=sink)
+        if serving_device(config.inference) != "cpu":
+            base.result()  # vLLM sizes its cache by the GPU memory free at its start: SFT waits
+        try:
+            sft_result = sft_warmup(config, run, sink) if config.sft.enabled else None
+        finally:
+            base.wait()  # no evaluation outlives the pool, whatever ended SFT
+        eval_base = base.result()
         if sft_result is not None:
             assert sft_result.checkpoint is not None  # a finished stage has its checkpoint
             pool.reload(sft_result.checkpoint, version=0)
