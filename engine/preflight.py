@@ -25,8 +25,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from engine.config import PrimeflowConfig
 from engine.config.model import looks_like_path
 from engine.config.orchestrator import EnvConfig
@@ -34,7 +32,6 @@ from engine.config.sft import DATA_SUFFIXES
 from engine.envs import ChatTokenizer, Environment, Split
 from engine.envs.loader import load_environment, module_candidates, not_found
 from engine.envs.prompt_fit import longest_prompt
-from engine.models.resolve import resolve_model
 from engine.tenancy.files import NoSuchPoolError, PoolRecord, refusal
 
 #: The stages a command may run.
@@ -81,7 +78,12 @@ def _load(env: EnvConfig) -> Environment | str:
 def _chat_tokenizer(config: PrimeflowConfig, *, local_only: bool) -> ChatTokenizer | None:
     """The policy's tokenizer, when it loads here (else the fit of prompts is not checked).
     `local_only`: a hub model only from the local cache, never a lookup (on a machine that
-    cannot reach the hub, the lookup's retries took 46 s of a dry run)."""
+    cannot reach the hub, the lookup's retries took 46 s of a dry run). Imported here: torch and
+    transformers cost every `primeflow` command ~2.5 s, and only the config commands need them."""
+    from transformers import AutoTokenizer
+
+    from engine.models.resolve import resolve_model
+
     try:
         name = resolve_model(config.orchestrator.model or config.model.name)
         return ChatTokenizer(AutoTokenizer.from_pretrained(name, local_files_only=local_only))
