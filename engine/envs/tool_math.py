@@ -2,16 +2,22 @@
 
 Each problem needs one expression of two or three operands (`347 * 29 + 15`), which the model
 writes out of the words into a `calc` call, then it copies the tool's result into `<answer>`
-tags. The reward is 1 when the tagged integer is exactly right. The skill RL can add is the
-translation from words to the expression; the tool does the arithmetic. `calc` is a sandbox:
-it walks the expression's syntax tree and computes only integer `+ - *` and parentheses, so a
-policy's call can never run code. Drawn deterministically; eval never shares a problem with
-train. SFT rows (`sft_examples`) are whole tool conversations: call, result, answer.
+tags. The reward is 1 when the tagged integer is exactly right; a wrong answer earns up to
+`EXPRESSION_CREDIT` for how closely its best `calc` expression matches the problem's,
+character by character (`exact_answer` is logged beside it). The skill RL can add is the
+translation from words to the expression, the tool does the arithmetic. With an all-or-nothing
+reward a policy that copied the operands almost right (`381 * 42` for `381 * 24`) scored what
+no call did, and a model that got no problem exact after SFT left RL no signal (issue 31).
+`calc` is a sandbox: it walks the expression's syntax tree and computes only integer `+ - *`
+and parentheses, so a policy's call can never run code. Drawn deterministically; eval never
+shares a problem with train. SFT rows (`sft_examples`) are whole tool conversations: call,
+result, answer.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 from collections.abc import Callable
@@ -21,6 +27,7 @@ import verifiers as vf
 
 from engine.envs.arithmetic import exact_answer
 from engine.envs.chat import single_turn_prompt, tool_call, tool_result, tool_schemas
+from engine.envs.reverse_text import similarity
 from engine.envs.words import NAMES, disjoint_splits
 
 SYSTEM_PROMPT = "Use the calc tool for the arithmetic, then give the number in <answer> tags."
@@ -28,6 +35,8 @@ ITEMS = ("jar", "bag", "seed", "nail", "tile", "cup")
 #: The most characters `calc` reads, and the largest magnitude it computes.
 MAX_EXPRESSION = 64
 MAX_VALUE = 10**12
+#: The most a wrong answer earns: this times its closest `calc` expression's similarity.
+EXPRESSION_CREDIT = 0.5
 _OPERATORS: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -119,6 +128,33 @@ def sft_examples(
     ]
 
 
+def called_expressions(completion: Any) -> list[str]:
+    """The `expression` argument of every `calc` call in `completion` (unparsable: skipped)."""
+    expressions = []
+    for message in completion:
+        for call in message.get("tool_calls") or []:
+            if call.get("name") != "calc":
+                continue
+            try:
+                expression = json.loads(call.get("arguments") or "{}").get("expression")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(expression, str):
+                expressions.append(expression)
+    return expressions
+
+
+def answer_or_expression(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
+    """1 for the exact answer, else `EXPRESSION_CREDIT` × the best call's similarity to the
+    problem's expression (0 without a call)."""
+    if exact_answer(completion, answer):
+        return 1.0
+    gold = info["expression"]
+    return EXPRESSION_CREDIT * max(
+        (similarity(called, gold) for called in called_expressions(completion)), default=0.0
+    )
+
+
 def load_environment(
     num_train_examples: int = 10_000,
     num_eval_examples: int = 512,
@@ -132,19 +168,25 @@ def load_environment(
     def rows(problems: list[Problem]) -> Dataset:
         return Dataset.from_list(
             [
-                {"prompt": single_turn_prompt(question, system_prompt), "answer": str(answer)}
-                for question, _, answer in problems
+                {
+                    "prompt": single_turn_prompt(question, system_prompt),
+                    "answer": str(answer),
+                    "info": {"expression": expression},
+                }
+                for question, expression, answer in problems
             ]
         )
 
     def splits() -> tuple[list[Problem], list[Problem]]:
         return make_splits(num_train_examples, num_eval_examples, seed)
 
+    rubric = vf.Rubric(funcs=[answer_or_expression])
+    rubric.add_metric(exact_answer)
     return vf.ToolEnv(
         tools=[calc],
         dataset=lambda: rows(splits()[0]),
         eval_dataset=lambda: rows(splits()[1]),
-        rubric=vf.Rubric(funcs=[exact_answer]),
+        rubric=rubric,
         max_turns=max_turns,
         pass_threshold=1.0,
     )

@@ -5,6 +5,7 @@ environment's tokens (tool results, marks) masked out of the loss."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.envs import assemble, corpus_search, load_environment, tool_math, wordle
+from engine.envs.reverse_text import similarity
 from engine.trainer.sft_data import tokenize_conversation
 
 SAMPLING = SamplingConfig(max_tokens=128)
@@ -134,3 +136,48 @@ def test_a_demonstration_replayed_is_the_rollout_sft_trains_on(
         for message in row["messages"]:
             if message["role"] in ("tool", "user"):
                 assert message["content"] in environment_text  # masked, never trained
+
+
+def _calling(expression: str, answer: str) -> list[dict[str, Any]]:
+    """A tool-math completion: one `calc` call of `expression`, then `answer` in tags."""
+    call = {"id": "call_0", "name": "calc", "arguments": f'{{"expression": "{expression}"}}'}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": tool_math.calc(expression), "tool_call_id": "call_0"},
+        {"role": "assistant", "content": f"<answer>{answer}</answer>"},
+    ]
+
+
+def test_tool_math_credits_a_wrong_answer_by_how_close_its_expression_came() -> None:
+    reward = tool_math.answer_or_expression
+    info = {"expression": "381 * 24"}
+    assert reward(_calling("381 * 24", "9144"), "9144", info) == 1.0
+    right_call = reward(_calling("381 * 24", "9000"), "9144", info)
+    near_call = reward(_calling("381 * 42", "16002"), "9144", info)
+    far_call = reward(_calling("7 - 5", "2"), "9144", info)
+    assert right_call == tool_math.EXPRESSION_CREDIT  # the tool was asked right, copied wrong
+    assert right_call > near_call > far_call > 0.0
+    no_call = [{"role": "assistant", "content": "<answer>9000</answer>"}]
+    assert reward(no_call, "9144", info) == 0.0
+    malformed = _calling("381 * 24", "9000")
+    malformed[0]["tool_calls"][0]["arguments"] = "not json"
+    assert reward(malformed, "9144", info) == 0.0
+
+
+def test_a_tool_math_rollout_with_a_miscopied_operand_earns_partial_credit(
+    policy: Any, generator: Any
+) -> None:
+    env = load_environment(EnvConfig(id="tool-math", args={"num_train_examples": 1}))
+    task = env.tasks("train")[0]
+    _, expression, answer = tool_math.make_splits(1, 0, seed=0)[0][0]
+    miscopied = expression.replace(expression[0], "0" if expression[0] != "0" else "1", 1)
+    call = json.dumps({"name": "calc", "arguments": {"expression": miscopied}})
+
+    def reply(prompt: str) -> str:
+        first_turn = prompt.count("<|im_start|>assistant\n") == 1
+        return f"<tool_call>{call}</tool_call>" if first_turn else "<answer>1</answer>"
+
+    (rollout,) = asyncio.run(env.run_group(task, 1, generator(policy(reply), 2048), SAMPLING))
+    assert rollout.error is None and answer != 1
+    expected = tool_math.EXPRESSION_CREDIT * similarity(miscopied, expression)
+    assert rollout.reward == pytest.approx(expected) and 0.0 < expected < 0.5
