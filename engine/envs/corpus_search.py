@@ -6,9 +6,12 @@ the town lies on, who its mayor is and what it is known for. A question names th
 asks one fact. `search(query)` ranks the pages by how many of the query's words they hold
 (a local inverted index) and returns the best titles; `read(title)` returns a page, by its
 exact title, so the model must search before it can read, then answer in `<answer>` tags.
-The reward is 1 for the exact fact. The corpus is shared, the towns are split: eval asks
-about towns train never asks about. SFT rows (`sft_examples`) are whole tool conversations:
-search, read, answer.
+The reward is 1 for the exact fact; another answer earns up to `NEAR_CREDIT` for its character
+similarity to the fact (a name copied with a slip is nearer than a guess; `exact_fact` is
+logged beside it), so a policy that reads the right page and copies badly still differs within
+its group, which all-or-nothing never gave RL on the models here (issue 31). The corpus is
+shared, the towns are split: eval asks about towns train never asks about. SFT rows
+(`sft_examples`) are whole tool conversations: search, read, answer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import verifiers as vf
 
 from engine.envs.chat import single_turn_prompt, tool_call, tool_result, tool_schemas
+from engine.envs.reverse_text import similarity
 from engine.envs.words import EVAL_SEED, NAMES, WORDS
 
 SYSTEM_PROMPT = "Search the pages, read one, then give the answer in <answer> tags."
@@ -34,6 +38,8 @@ _STARTS = (
 _ENDS = ("brook", "by", "ford", "ham", "ley", "mere", "ston", "wick", "dale", "combe")
 #: Titles `search` returns at most.
 TOP_K = 3
+#: The most an answer other than the fact earns: this times its similarity to the fact.
+NEAR_CREDIT = 0.5
 _WORD = re.compile(r"[a-z]+")
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 
@@ -154,11 +160,24 @@ def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[Question
     return train[:num_train], held_out[:num_eval]
 
 
-def exact_fact(completion: Any, answer: str, **_: Any) -> float:
-    """Reward: 1 when the last reply's tagged answer is the fact, ignoring case."""
+def _tagged(completion: Any) -> str | None:
+    """The last reply's last tagged answer, stripped and lower-cased (None: no tag)."""
     replies = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
     found = _ANSWER.findall(replies[-1]) if replies else []
-    return float(bool(found) and found[-1].strip().lower() == answer.lower())
+    return found[-1].strip().lower() if found else None
+
+
+def exact_fact(completion: Any, answer: str, **_: Any) -> float:
+    """1 when the last reply's tagged answer is the fact, ignoring case."""
+    return float(_tagged(completion) == answer.lower())
+
+
+def near_fact(completion: Any, answer: str, **_: Any) -> float:
+    """1 for the exact fact, else `NEAR_CREDIT` × the tagged answer's similarity to it (0
+    untagged)."""
+    if exact_fact(completion, answer):
+        return 1.0
+    return NEAR_CREDIT * similarity(_tagged(completion), answer.lower())
 
 
 def sft_examples(
@@ -205,11 +224,13 @@ def load_environment(
     def splits() -> tuple[list[Question], list[Question]]:
         return make_splits(num_train_examples, num_eval_examples, seed)
 
+    rubric = vf.Rubric(funcs=[near_fact])
+    rubric.add_metric(exact_fact)
     return vf.ToolEnv(
         tools=[search, read],
         dataset=lambda: rows(splits()[0]),
         eval_dataset=lambda: rows(splits()[1]),
-        rubric=vf.Rubric(funcs=[exact_fact]),
+        rubric=rubric,
         max_turns=max_turns,
         pass_threshold=1.0,
     )

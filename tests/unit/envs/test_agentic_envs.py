@@ -181,3 +181,16 @@ def test_a_tool_math_rollout_with_a_miscopied_operand_earns_partial_credit(
     assert rollout.error is None and answer != 1
     expected = tool_math.EXPRESSION_CREDIT * similarity(miscopied, expression)
     assert rollout.reward == pytest.approx(expected) and 0.0 < expected < 0.5
+
+
+def test_corpus_search_credits_an_answer_by_how_near_it_is_to_the_fact() -> None:
+    def answering(text: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": text}]
+
+    reward = corpus_search.near_fact
+    assert reward(answering("<answer>Mayor Ada Vale</answer>"), "mayor ada vale") == 1.0
+    slip = reward(answering("<answer>mayor ada vole</answer>"), "mayor ada vale")
+    guess = reward(answering("<answer>the river</answer>"), "mayor ada vale")
+    assert corpus_search.NEAR_CREDIT > slip > guess
+    assert reward(answering("mayor ada vale"), "mayor ada vale") == 0.0  # untagged
+    assert corpus_search.exact_fact(answering("<answer>mayor ada vole</answer>"), "x") == 0.0
