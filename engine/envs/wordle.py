@@ -5,7 +5,10 @@ environment answers with Wordle's marks, one character per letter: the letter in
 it is in the right place, in small letters where the secret has it elsewhere, `.` where the
 secret does not have it (`bank` against `bark`: `BA.K`). The game ends when the secret is
 guessed or the turns run out; a win on guess g of `max_turns` scores `(max_turns - g + 1) /
-max_turns`, a loss 0, so RL is paid for guesses that narrow the candidates fastest. The
+max_turns`, so RL is paid for guesses that narrow the candidates fastest. A loss earns at most
+half a last-guess win, for the share of its guesses that every earlier mark allowed (legal,
+informed play): with a loss worth 0 the models here, whose guesses were rarely words of the
+list, lost every game of a group alike and RL had nothing to compare (issue 31). The
 demonstrations (`sft_examples`) play a candidate consistent with every mark so far, chosen at
 random: a legal but not a clever player, which leaves RL the choice of guess to improve.
 """
@@ -116,6 +119,26 @@ def score(guesses: list[str | None], secret: str, max_turns: int) -> float:
     return (max_turns - guesses.index(secret)) / max_turns
 
 
+def consistent_share(guesses: list[str | None], candidates: tuple[str, ...], secret: str) -> float:
+    """Of the guesses, the share that every earlier mark allowed (0 without a guess)."""
+    history: list[tuple[str, str]] = []
+    allowed = 0
+    for guess in guesses:
+        allowed += guess in consistent(candidates, history)
+        if guess is not None and guess in candidates:
+            history.append((guess, marks(guess, secret)))
+    return allowed / len(guesses) if guesses else 0.0
+
+
+def game_reward(
+    guesses: list[str | None], candidates: tuple[str, ...], secret: str, max_turns: int
+) -> float:
+    """`score` for a win; a loss, half a last-guess win times its `consistent_share`."""
+    if secret in guesses:
+        return score(guesses, secret, max_turns)
+    return 0.5 / max_turns * consistent_share(guesses, candidates, secret)
+
+
 def sft_examples(
     num_examples: int, seed: int = 0, num_candidates: int = 6, max_turns: int = 4
 ) -> list[dict[str, Any]]:
@@ -186,6 +209,9 @@ def load_environment(
     def splits() -> tuple[list[Game], list[Game]]:
         return make_splits(num_train_examples, num_eval_examples, seed, num_candidates)
 
+    def played(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
+        return game_reward(_guesses(completion), tuple(info["candidates"]), answer, max_turns)
+
     def won(completion: Any, answer: str, **_: Any) -> float:
         return score(_guesses(completion), answer, max_turns)
 
@@ -195,20 +221,12 @@ def load_environment(
     def guesses(completion: Any, **_: Any) -> float:
         return float(len(_guesses(completion)))
 
-    def consistent_share(completion: Any, info: dict[str, Any], **_: Any) -> float:
+    def legal_share(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
         """Of the guesses, the share that every earlier mark allowed (legal, informed play)."""
-        candidates, secret = tuple(info["candidates"]), info["secret"]
-        history: list[tuple[str, str]] = []
-        allowed = 0
-        played = _guesses(completion)
-        for guess in played:
-            allowed += guess in consistent(candidates, history)
-            if guess is not None and guess in candidates:
-                history.append((guess, marks(guess, secret)))
-        return allowed / len(played) if played else 0.0
+        return consistent_share(_guesses(completion), tuple(info["candidates"]), answer)
 
-    rubric = vf.Rubric(funcs=[won])
-    for metric in (solved, guesses, consistent_share):
+    rubric = vf.Rubric(funcs=[played])
+    for metric in (won, solved, guesses, legal_share):
         rubric.add_metric(metric)
     return WordleEnv(
         dataset=lambda: rows(splits()[0]),

@@ -91,12 +91,14 @@ def _replay(row_text: str) -> Any:
     return reply
 
 
-def _demonstrated_reward(module: Any, row: dict[str, Any], answer: str) -> float:
+def _demonstrated_reward(module: Any, row: dict[str, Any], payload: dict[str, Any]) -> float:
     """What the demonstration earns: the answer (1), or a wordle game by its guesses."""
     if module is not wordle:
         return 1.0
     replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-    return wordle.score([wordle.parse_guess(reply) for reply in replies], answer, 4)
+    guesses = [wordle.parse_guess(reply) for reply in replies]
+    candidates = tuple(payload["info"]["candidates"])
+    return wordle.game_reward(guesses, candidates, payload["answer"], 4)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +122,7 @@ def test_a_demonstration_replayed_is_the_rollout_sft_trains_on(
         task = env.tasks("train")[index]
         (rollout,) = asyncio.run(env.run_group(task, 1, generator(oracle, 2048), SAMPLING))
         assert rollout.error is None
-        assert rollout.reward == _demonstrated_reward(module, row, task.payload["answer"])
+        assert rollout.reward == _demonstrated_reward(module, row, task.payload)
         (sequence,) = assemble(rollout.turns)  # one sequence: nothing re-rendered
         # SFT's rendering ends with the template's newline after the last turn's end token.
         assert sequence.token_ids == sft_ids[:-1]
@@ -194,3 +196,12 @@ def test_corpus_search_credits_an_answer_by_how_near_it_is_to_the_fact() -> None
     assert corpus_search.NEAR_CREDIT > slip > guess
     assert reward(answering("mayor ada vale"), "mayor ada vale") == 0.0  # untagged
     assert corpus_search.exact_fact(answering("<answer>mayor ada vole</answer>"), "x") == 0.0
+
+
+def test_a_lost_wordle_game_earns_less_than_any_win_and_more_for_legal_guesses() -> None:
+    candidates = ("bank", "bark", "cork", "fork", "wink", "tank")
+    assert wordle.game_reward(["cork", "tank"], candidates, "tank", 2) == 0.5  # last-guess win
+    informed = wordle.game_reward(["cork", "bank"], candidates, "tank", 2)  # both allowed
+    off_list = wordle.game_reward(["cork", "zzzz"], candidates, "tank", 2)
+    assert (informed, off_list) == (0.25, 0.125)
+    assert wordle.game_reward([None, None], candidates, "tank", 2) == 0.0
