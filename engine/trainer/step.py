@@ -85,8 +85,14 @@ def _clip(policy: PolicyModel, max_norm: float | None) -> Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def _step_if_finite(optimizer: Optimizer, norm: Tensor) -> None:
-    """Step unless the gradient norm is inf/NaN (one bad batch must not wreck the weights).
+def _step_if_informative(optimizer: Optimizer, norm: Tensor) -> None:
+    """Step unless the gradient norm is inf/NaN (one bad batch must not wreck the weights) or
+    exactly 0 (an RL batch where every group's rewards were equal: no signal).
+
+    A zero gradient is not a no-op for AdamW: its momentum and weight decay keep moving the
+    weights for tens of steps. On tool-math a policy whose format broke (every reward 0, every
+    advantage 0) kept drifting that way for 12 steps, its entropy rising 0.23 -> 0.43 and its
+    truncated replies 2 % -> 64 %, with nothing to learn from (docs/benchmarks.md).
 
     Fused AdamW (GPU) takes the verdict as a device tensor, the way `GradScaler` hands it over
     (`found_inf`: the kernel leaves weights, moments and step counts alone when it is nonzero),
@@ -94,13 +100,18 @@ def _step_if_finite(optimizer: Optimizer, norm: Tensor) -> None:
     step. Other optimizers read the norm first.
     """
     if optimizer.defaults.get("fused"):
-        optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
+        optimizer.found_inf = (~torch.isfinite(norm) | (norm == 0)).float()  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf  # type: ignore[attr-defined]
-    elif math.isfinite(float(norm)):
+    elif informative(float(norm)):
         optimizer.step()
+
+
+def informative(grad_norm: float) -> bool:
+    """Whether a step with this gradient norm updates the weights (finite and nonzero)."""
+    return math.isfinite(grad_norm) and grad_norm > 0.0
 
 
 def _accumulate(sums: dict[str, Tensor], values: dict[str, Tensor]) -> None:
@@ -148,14 +159,14 @@ def train_step(
     norm = _clip(ctx.policy, max_grad_norm)
     lr = optimizer.param_groups[0]["lr"]
     if global_loss_tokens > 0:
-        _step_if_finite(optimizer, norm)
+        _step_if_informative(optimizer, norm)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     grad_norm = float(norm)
-    skipped = global_loss_tokens == 0 or not math.isfinite(grad_norm)
+    skipped = global_loss_tokens == 0 or not informative(grad_norm)
 
     local_tokens = sum(int(rows.real_tokens().sum()) for rows in micro_batches)
     totals = all_reduce_sum({**_to_floats(sums), "tokens": local_tokens}, device)

@@ -11,13 +11,20 @@ import torch
 
 from engine.run import run_store as open_run_store
 from engine.trainer.attention import document_kwargs, sdpa_priority, varlen_available
+from engine.trainer.loss import sft_loss
 from engine.trainer.model import ModelOptions, PolicyModel, load_causal_lm
 from engine.trainer.packing import Sample, pack_samples
 from engine.trainer.pool import run_trainer
 from storage.checkpoints import fetch_checkpoint, load_checkpoint_weights
 from storage.metrics import read_metrics
 from tests.integration.trainer.conftest import make_config, write_steps
-from tests.unit.trainer.test_step import check_skip_then_step, nan_loss, two_steps
+from tests.unit.trainer.test_step import (
+    check_skip_then_step,
+    check_step_then_no_signal,
+    nan_loss,
+    two_steps,
+    zero_loss,
+)
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -109,3 +116,7 @@ def test_varlen_packed_rows_equal_unpacked_samples(tiny_model_dir: Path) -> None
 def test_a_non_finite_gradient_skips_the_fused_update_on_the_device(tiny_model_dir: Path) -> None:
     # Fused AdamW gets the verdict as a device tensor (`found_inf`); nothing reads the norm first.
     check_skip_then_step(two_steps(tiny_model_dir, nan_loss, backend="nccl"))
+
+
+def test_a_step_without_signal_skips_the_fused_update_on_the_device(tiny_model_dir: Path) -> None:
+    check_step_then_no_signal(two_steps(tiny_model_dir, sft_loss, "nccl", second=zero_loss))

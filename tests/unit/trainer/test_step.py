@@ -1,4 +1,5 @@
-"""One optimizer step: a batch whose gradient norm is not finite leaves the weights alone.
+"""One optimizer step: a batch whose gradient norm is not finite, or exactly zero (an RL batch
+without advantage), leaves the weights and the optimizer's state alone.
 
 The same check runs on GPU (`tests/gpu`), where fused AdamW skips on the device instead of the
 host reading the norm first.
@@ -28,9 +29,17 @@ def nan_loss(inputs: LossInputs) -> LossOutputs:
     return replace(outputs, token_loss=outputs.token_loss * float("nan"))
 
 
-def two_steps(model_dir: Path, first: LossFn, backend: str = "gloo") -> list[dict]:
-    """Step with `first`, then with the SFT loss; per step its metrics, the weights after it
-    (full tensors, on the CPU) and the optimizer's step counts."""
+def zero_loss(inputs: LossInputs) -> LossOutputs:
+    """Every advantage 0: the policy-gradient loss of a batch whose groups all tied."""
+    outputs = sft_loss(inputs)
+    return replace(outputs, token_loss=outputs.token_loss * 0.0)
+
+
+def two_steps(
+    model_dir: Path, first: LossFn, backend: str = "gloo", second: LossFn = sft_loss
+) -> list[dict]:
+    """Step with `first`, then with `second`; per step its metrics, the weights after it (full
+    tensors, on the CPU) and the optimizer's step counts."""
     dist = init_distributed(backend)  # type: ignore[arg-type]
     dtype = compute_dtype("auto", dist.device)
     options = ModelOptions(compute_dtype=dtype)
@@ -53,7 +62,7 @@ def two_steps(model_dir: Path, first: LossFn, backend: str = "gloo") -> list[dic
         }
 
     results = [{"metrics": {}, "weights": weights(), "steps": []}]
-    for loss_fn in (first, sft_loss):
+    for loss_fn in (first, second):
         metrics = train_step(
             ctx, optimizer, scheduler, micro_batches(rows, 2), loss_fn, loss_tokens, 1.0
         )
@@ -79,3 +88,19 @@ def check_skip_then_step(results: list[dict]) -> None:
 
 def test_a_non_finite_gradient_skips_the_update(tiny_model_dir: Path) -> None:
     check_skip_then_step(two_steps(tiny_model_dir, nan_loss))
+
+
+def check_step_then_no_signal(results: list[dict]) -> None:
+    _, stepped, idle = results
+    assert stepped["metrics"]["skipped"] == 0.0 and set(stepped["steps"]) == {1.0}
+    assert idle["metrics"]["skipped"] == 1.0 and idle["metrics"]["grad_norm"] == 0.0
+    # Without the skip AdamW's momentum and weight decay would move every weight again.
+    for name, tensor in stepped["weights"].items():
+        torch.testing.assert_close(idle["weights"][name], tensor, rtol=0, atol=0, msg=name)
+    assert set(idle["steps"]) == {1.0}, "a step without signal must not count for Adam"
+
+
+def test_a_step_without_signal_leaves_the_weights_and_the_moments_alone(
+    tiny_model_dir: Path,
+) -> None:
+    check_step_then_no_signal(two_steps(tiny_model_dir, sft_loss, second=zero_loss))
