@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -114,6 +115,15 @@ def informative(grad_norm: float) -> bool:
     return math.isfinite(grad_norm) and grad_norm > 0.0
 
 
+def _advance(scheduler: LRScheduler) -> None:
+    """The schedule moves on whether or not the step updated the weights. When a run's first
+    steps are skipped (no signal yet, as in an agentic env where every group fails at first),
+    PyTorch warns that the scheduler stepped before the optimizer: that order is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        scheduler.step()
+
+
 def _accumulate(sums: dict[str, Tensor], values: dict[str, Tensor]) -> None:
     """Add scalar tensors on the device, so micro-batches never wait for the host."""
     for name, value in values.items():
@@ -161,7 +171,7 @@ def train_step(
     if global_loss_tokens > 0:
         _step_if_informative(optimizer, norm)
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    _advance(scheduler)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
