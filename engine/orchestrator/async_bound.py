@@ -10,14 +10,16 @@ lack: a surplus would land in later batches, more versions behind than the bound
 256 in flight for 128-sample batches, half of every batch came two or three versions late, and
 learning per step fell well below the on-policy run's; docs/benchmarks.md).
 
-A rollout that outlives the batch it started for (a multi-turn or tool rollout, during which
-the pool may load newer weights between turns; every token records the version that sampled
-it) lands in a later batch. With `max_async_level >= 1` it is kept while its oldest token is
-at most `max_off_policy_steps` behind the served policy: the trainer's importance ratio, taken
-against the log-probs of the very weights that sampled each token, accounts for the lag (the
-in-flight weight updates of PipelineRL, prime-rl's `max_off_policy_steps`). Dropping it, as
-this module once did, threw away most of a slow environment's rollouts and starved it. With
-`max_async_level = 0` a batch holds version n - 1 only, since on-policy is the point of it.
+A rollout that outlives the batch it started for lands in a later batch: a multi-turn or tool
+rollout, during which the pool may load newer weights between turns (every token records the
+version that sampled it), or a long reply that shorter ones started on the next version
+overtake (on an H100, 17 of 150 steps held a group one version past the bound). With
+`max_async_level >= 1` it is kept while its oldest token is at most `max_off_policy_steps`
+behind the served policy: the trainer's importance ratio, taken against the log-probs of the
+very weights that sampled each token, accounts for the lag (the in-flight weight updates of
+PipelineRL, prime-rl's `max_off_policy_steps`). Dropping it, as this module once did, threw
+away most of a slow environment's rollouts and starved it. With `max_async_level = 0` a batch
+holds version n - 1 only, since on-policy is the point of it.
 
 A group is the unit: its advantages are relative to each other, so it is kept or dropped whole.
 """
