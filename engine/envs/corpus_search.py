@@ -175,9 +175,8 @@ def exact_fact(completion: Any, answer: str, **_: Any) -> float:
 def near_fact(completion: Any, answer: str, **_: Any) -> float:
     """1 for the exact fact, else `NEAR_CREDIT` × the tagged answer's similarity to it (0
     untagged)."""
-    if exact_fact(completion, answer):
-        return 1.0
-    return NEAR_CREDIT * similarity(_tagged(completion), answer.lower())
+    tagged, fact = _tagged(completion), answer.lower()
+    return 1.0 if tagged == fact else NEAR_CREDIT * similarity(tagged, fact)
 
 
 def sft_examples(

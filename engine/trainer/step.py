@@ -106,11 +106,11 @@ def _step_if_informative(optimizer: Optimizer, norm: Tensor) -> None:
             optimizer.step()
         finally:
             del optimizer.found_inf  # type: ignore[attr-defined]
-    elif informative(float(norm)):
+    elif _informative(float(norm)):
         optimizer.step()
 
 
-def informative(grad_norm: float) -> bool:
+def _informative(grad_norm: float) -> bool:
     """Whether a step with this gradient norm updates the weights (finite and nonzero)."""
     return math.isfinite(grad_norm) and grad_norm > 0.0
 
@@ -176,7 +176,7 @@ def train_step(
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     grad_norm = float(norm)
-    skipped = global_loss_tokens == 0 or not informative(grad_norm)
+    skipped = global_loss_tokens == 0 or not _informative(grad_norm)
 
     local_tokens = sum(int(rows.real_tokens().sum()) for rows in micro_batches)
     totals = all_reduce_sum({**_to_floats(sums), "tokens": local_tokens}, device)

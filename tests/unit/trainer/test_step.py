@@ -25,15 +25,19 @@ from engine.trainer.schedule import build_scheduler
 from engine.trainer.step import StepContext, train_step
 
 
-def nan_loss(inputs: LossInputs) -> LossOutputs:
-    outputs = sft_loss(inputs)
-    return replace(outputs, token_loss=outputs.token_loss * float("nan"))
+def scaled_sft_loss(factor: float) -> LossFn:
+    """The SFT loss times `factor`: NaN makes a non-finite gradient, 0 the gradient of an RL
+    batch whose groups all tied (every advantage 0)."""
+
+    def loss(inputs: LossInputs) -> LossOutputs:
+        outputs = sft_loss(inputs)
+        return replace(outputs, token_loss=outputs.token_loss * factor)
+
+    return loss
 
 
-def zero_loss(inputs: LossInputs) -> LossOutputs:
-    """Every advantage 0: the policy-gradient loss of a batch whose groups all tied."""
-    outputs = sft_loss(inputs)
-    return replace(outputs, token_loss=outputs.token_loss * 0.0)
+nan_loss = scaled_sft_loss(float("nan"))
+zero_loss = scaled_sft_loss(0.0)
 
 
 def two_steps(
