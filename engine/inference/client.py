@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 #: HTTP statuses worth retrying: rate limiting, and the server being busy or restarting.
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: Connections per httpx client. httpcore's pool walks all its connections, and for each idle
+#: one all of them again, every time it assigns or releases a request: with 256 connections
+#: (multi-turn rollouts send one request per turn) that walk took half the orchestrator's time
+#: (docs/benchmarks.md, "Agentic rollouts' throughput"). Small pools, many of them, keep it short.
+CONNECTIONS_PER_CLIENT = 16
 
 
 class InferenceError(RuntimeError):
@@ -117,11 +122,18 @@ class InferenceClient:
         self._slots = _Slots(max_concurrent)
         self._busy = [0] * len(self.endpoints)
         self._next = 0
-        self._http = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {api_key}"},
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_concurrent, max_keepalive_connections=None),
-        )
+        shards = -(-max_concurrent // CONNECTIONS_PER_CLIENT)
+        self._http = [
+            httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {api_key}"},
+                timeout=httpx.Timeout(timeout_s, connect=10.0),
+                limits=httpx.Limits(
+                    max_connections=-(-max_concurrent // shards), max_keepalive_connections=None
+                ),
+            )
+            for _ in range(shards)
+        ]
+        self._http_load = [0] * shards
 
     @property
     def requests_in_flight(self) -> int:
@@ -153,7 +165,8 @@ class InferenceClient:
 
     async def aclose(self) -> None:
         """Close the connections."""
-        await self._http.aclose()
+        for http in self._http:
+            await http.aclose()
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, *, n: int = 1
@@ -201,9 +214,11 @@ class InferenceClient:
     async def _send(self, index: int, body: dict[str, Any]) -> list[Sample]:
         endpoint = self.endpoints[index]
         version, lineage = endpoint.policy_version, endpoint.policy_lineage
+        shard = min(range(len(self._http)), key=self._http_load.__getitem__)
         self._busy[index] += 1
+        self._http_load[shard] += 1
         try:
-            response = await self._http.post(
+            response = await self._http[shard].post(
                 f"{endpoint.base_url}/v1/completions", json={**body, "model": endpoint.model}
             )
         except httpx.TransportError as exc:
@@ -213,6 +228,7 @@ class InferenceClient:
             ) from exc
         finally:
             self._busy[index] -= 1
+            self._http_load[shard] -= 1
         if response.status_code != 200:
             raise InferenceError(
                 f"server {index} answered {response.status_code}: {_error_message(response)}",

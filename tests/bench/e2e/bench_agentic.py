@@ -11,9 +11,11 @@ server idles; issue 31's target is ≥ 0.7× the single-turn rate.
 
     python -m tests.bench.e2e.bench_agentic                           # CPU: the tiny model
     python -m tests.bench.e2e.bench_agentic --config configs/reverse_text/gpu.toml --steps 8
-    python -m tests.bench.e2e.bench_agentic --arm "t4-d1-r256=4 1.0 --orchestrator.max-rollouts 256"
+    python -m tests.bench.e2e.bench_agentic --arm "t4-c256=4 1.0 --orchestrator.max-concurrent 256"
 
-An arm is `NAME=TURNS DELAY_S [FLAGS...]`; the first arm is the baseline of the ratios.
+An arm is `NAME=TURNS DELAY_S [FLAGS...]`; the first arm is the baseline of the ratios. Its flag
+`--client-connections N` (the bench's, not a config flag) sets how many connections each of the
+client's HTTP pools holds (`CONNECTIONS_PER_CLIENT`), e.g. 100000 for one pool, as before it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import PrimeflowConfig, load_config
+from engine.inference import client
 from engine.inference.pool import InferencePool
 from engine.orchestrator.main import run_orchestrator
 from engine.run import local_run_dir, run_store
@@ -50,6 +53,14 @@ def parse_arm(text: str) -> tuple[str, int, float, list[str]]:
     if not sep or not name or len(words) < 2:
         raise SystemExit(f"--arm {text!r}: give NAME=TURNS DELAY_S [FLAGS...]")
     return name, int(words[0]), float(words[1]), words[2:]
+
+
+def client_connections(flags: list[str]) -> tuple[int, list[str]]:
+    """The arm's `--client-connections N` (default: the client's own) and its other flags."""
+    if "--client-connections" not in flags:
+        return client.CONNECTIONS_PER_CLIENT, flags
+    at = flags.index("--client-connections")
+    return int(flags[at + 1]), flags[:at] + flags[at + 2 :]
 
 
 def arm_config(
@@ -108,14 +119,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("overrides", nargs="*", help="flags for every arm, after --")
     args = parser.parse_args(argv)
     arms = [parse_arm(text) for text in args.arm or DEFAULT_ARMS]
+    connections = {name: client_connections(flags) for name, _, _, flags in arms}
     root = Path(tempfile.mkdtemp(prefix="bench-agentic-"))
-    configs = {name: arm_config(args, root, name, t, d, f) for name, t, d, f in arms}
+    configs = {
+        name: arm_config(args, root, name, t, d, connections[name][1]) for name, t, d, _ in arms
+    }
     first = next(iter(configs.values()))
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    shipped = client.CONNECTIONS_PER_CLIENT
     with InferencePool.for_run(first, local_run_dir(first) / "logs") as pool:
         for (name, turns, delay, flags), config in zip(arms, configs.values(), strict=True):
+            client.CONNECTIONS_PER_CLIENT = connections[name][0]
             results[name] = {"turns": turns, "delay_s": delay, "flags": flags}
             results[name].update(measure(config, pool))
+            client.CONNECTIONS_PER_CLIENT = shipped
             print(name, json.dumps(results[name]), flush=True)
     base = results[arms[0][0]]["tokens_per_s"]
     print(f"\n| arm | turns | tool latency | tokens/s | × {arms[0][0]} | step |")

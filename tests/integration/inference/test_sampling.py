@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config.orchestrator import SamplingConfig
-from engine.inference.client import InferenceClient, InferenceError
+from engine.inference.client import CONNECTIONS_PER_CLIENT, InferenceClient, InferenceError
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from engine.inference.ports import free_port
@@ -108,6 +108,28 @@ def test_batch_under_a_concurrency_cap(base_pool: InferencePool, weights: Weight
     groups = run(sample())
     assert [len(group) for group in groups] == [3] * 12
     assert all(s.prompt_ids == p for group, p in zip(groups, prompts, strict=True) for s in group)
+
+
+def test_more_requests_than_one_connection_pool_holds(
+    base_pool: InferencePool, weights: Weights
+) -> None:
+    """Multi-turn rollouts send one request per turn: the client spreads them over several
+    HTTP connection pools (`CONNECTIONS_PER_CLIENT` each), and every answer still reaches the
+    request it belongs to."""
+    count = 2 * CONNECTIONS_PER_CLIENT + 3
+    prompts = [chat_prompt(weights, f"turn {i}") for i in range(count)]
+
+    async def sample():
+        async with InferenceClient.from_pool(base_pool, max_concurrent=count) as client:
+            answers = await client.generate_batch(
+                prompts, SamplingConfig(temperature=1.0, max_tokens=4)
+            )
+            return answers, client.requests_in_flight
+
+    answers, in_flight = run(sample())
+    assert [s.prompt_ids for (s,) in answers] == prompts
+    assert all(len(s.completion_ids) == len(s.logprobs) > 0 for (s,) in answers)
+    assert in_flight == 0
 
 
 def test_prompt_too_long_is_a_permanent_error(base_pool: InferencePool) -> None:
