@@ -165,8 +165,12 @@ def test_gpu_demo_is_the_cpu_task_on_one_gpu_with_room_left_for_rl() -> None:
     assert config.inference.gpu_ids == config.trainer.parallel.gpu_ids == [0]
     assert config.trainer.cpu_cores is None and config.inference.cpu_cores == []
     # The same task, batch, sampling and evaluation as the CPU demo; the CPU demo's prompt is
-    # shorter (every prompt token costs its trainer on 2 cores), so its context is too.
-    same = {"exclude": {"model", "seq_len", "max_steps", "advantage", "truncated_reward", "envs"}}
+    # shorter (every prompt token costs its trainer on 2 cores), so its context is too. The GPU
+    # keeps every rollout the async bound allows in flight (the batch being built and the next).
+    sampler = config.orchestrator
+    assert sampler.max_concurrent == (sampler.max_async_level + 1) * sampler.batch_size
+    differ = {"model", "seq_len", "max_steps", "advantage", "truncated_reward", "envs"}
+    same = {"exclude": differ | {"max_concurrent"}}
     for section in ("orchestrator", "eval"):
         gpu_side, cpu_side = getattr(config, section), getattr(cpu, section)
         assert gpu_side.model_dump(**same) == cpu_side.model_dump(**same), section
