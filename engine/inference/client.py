@@ -11,6 +11,7 @@ is never newer than the policy that produced any of the sample's tokens.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -122,18 +123,19 @@ class InferenceClient:
         self._slots = _Slots(max_concurrent)
         self._busy = [0] * len(self.endpoints)
         self._next = 0
-        shards = -(-max_concurrent // CONNECTIONS_PER_CLIENT)
+        pools = math.ceil(max_concurrent / CONNECTIONS_PER_CLIENT)
+        limits = httpx.Limits(
+            max_connections=math.ceil(max_concurrent / pools), max_keepalive_connections=None
+        )
         self._http = [
             httpx.AsyncClient(
                 headers={"Authorization": f"Bearer {api_key}"},
                 timeout=httpx.Timeout(timeout_s, connect=10.0),
-                limits=httpx.Limits(
-                    max_connections=-(-max_concurrent // shards), max_keepalive_connections=None
-                ),
+                limits=limits,
             )
-            for _ in range(shards)
+            for _ in range(pools)
         ]
-        self._http_load = [0] * shards
+        self._http_load = [0] * pools
 
     @property
     def requests_in_flight(self) -> int:
@@ -214,11 +216,11 @@ class InferenceClient:
     async def _send(self, index: int, body: dict[str, Any]) -> list[Sample]:
         endpoint = self.endpoints[index]
         version, lineage = endpoint.policy_version, endpoint.policy_lineage
-        shard = min(range(len(self._http)), key=self._http_load.__getitem__)
+        pool = min(range(len(self._http)), key=self._http_load.__getitem__)
         self._busy[index] += 1
-        self._http_load[shard] += 1
+        self._http_load[pool] += 1
         try:
-            response = await self._http[shard].post(
+            response = await self._http[pool].post(
                 f"{endpoint.base_url}/v1/completions", json={**body, "model": endpoint.model}
             )
         except httpx.TransportError as exc:
@@ -228,7 +230,7 @@ class InferenceClient:
             ) from exc
         finally:
             self._busy[index] -= 1
-            self._http_load[shard] -= 1
+            self._http_load[pool] -= 1
         if response.status_code != 200:
             raise InferenceError(
                 f"server {index} answered {response.status_code}: {_error_message(response)}",

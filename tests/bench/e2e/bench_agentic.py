@@ -131,8 +131,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for (name, turns, delay, flags), config in zip(arms, configs.values(), strict=True):
             client.CONNECTIONS_PER_CLIENT = connections[name][0]
             results[name] = {"turns": turns, "delay_s": delay, "flags": flags}
-            results[name].update(measure(config, pool))
-            client.CONNECTIONS_PER_CLIENT = shipped
+            try:
+                results[name].update(measure(config, pool))
+            finally:
+                client.CONNECTIONS_PER_CLIENT = shipped
             print(name, json.dumps(results[name]), flush=True)
     base = results[arms[0][0]]["tokens_per_s"]
     print(f"\n| arm | turns | tool latency | tokens/s | × {arms[0][0]} | step |")
