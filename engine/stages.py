@@ -60,9 +60,7 @@ HUNG_STOP_S = 5.0
 
 
 def total_steps(config: PrimeflowConfig, stage: Stage) -> int:
-    total = config.sft.max_steps if stage == "sft" else config.trainer.max_steps
-    assert total is not None
-    return total
+    return config.sft.max_steps if stage == "sft" else config.trainer.max_steps
 
 
 def outcome(store: ObjectStore, stage: Stage, last_step: int, seconds: float) -> StageResult:

@@ -16,7 +16,13 @@ from pydantic import model_validator
 from pydantic.fields import FieldInfo
 from pydantic_config import BaseConfig as _PydanticConfigBase
 
-__all__ = ["BaseConfig"]
+__all__ = ["DEFAULT_MAX_STEPS", "DEFAULT_SEQ_LEN", "BaseConfig"]
+
+#: The shared `seq_len` and `max_steps` when unset. A section's copy of a shared field defaults
+#: to the same value, and the root fills it with the shared one unless the section sets its own,
+#: so a section is complete on its own (no None to check) and the UI's form requires nothing.
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_MAX_STEPS = 100
 
 
 def _allows_none(field: FieldInfo | None) -> bool:

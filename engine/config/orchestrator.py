@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.base import BaseConfig
+from engine.config.base import DEFAULT_MAX_STEPS, DEFAULT_SEQ_LEN, BaseConfig
+from engine.config.model import TINY_MODEL
 from engine.config.plugin import CustomPluginConfig
 
 
@@ -97,14 +98,14 @@ class OrchestratorConfig(BaseConfig):
     """The RL data plane: rollouts → scored groups → advantages → one shard set per step."""
 
     model: Annotated[
-        str | None, Field(description="Tokenizer/chat template; filled from `model.name`.")
-    ] = None
+        str, Field(description="Tokenizer/chat template; filled from `model.name`.")
+    ] = TINY_MODEL
     seq_len: Annotated[
-        int | None, Field(ge=16, description="Prompt + completion limit; filled from `seq_len`.")
-    ] = None
+        int, Field(ge=16, description="Prompt + completion limit; filled from `seq_len`.")
+    ] = DEFAULT_SEQ_LEN
     max_steps: Annotated[
-        int | None, Field(ge=1, description="RL steps; filled from the shared `max_steps`.")
-    ] = None
+        int, Field(ge=1, description="RL steps; filled from the shared `max_steps`.")
+    ] = DEFAULT_MAX_STEPS
     envs: Annotated[list[EnvConfig], Field(min_length=1, description="Training environments.")] = [
         EnvConfig()
     ]

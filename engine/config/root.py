@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from engine.config.base import BaseConfig
+from engine.config.base import DEFAULT_MAX_STEPS, DEFAULT_SEQ_LEN, BaseConfig
 from engine.config.evaluation import EvalConfig
 from engine.config.inference import (
     LORA_RANKS,
@@ -80,10 +80,10 @@ class PrimeflowConfig(BaseConfig):
             description="Shared: fills trainer.seq_len, orchestrator.seq_len and "
             "inference.max_model_len.",
         ),
-    ] = 2048
+    ] = DEFAULT_SEQ_LEN
     max_steps: Annotated[
         int, Field(ge=1, description="Shared: RL steps for trainer and orchestrator.")
-    ] = 100
+    ] = DEFAULT_MAX_STEPS
     trainer: TrainerConfig = TrainerConfig()
     inference: InferenceConfig = InferenceConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -100,7 +100,7 @@ class PrimeflowConfig(BaseConfig):
             stated = _explicit(self, shared)
             for target in targets:
                 current = _get(self, target)
-                if current is None:
+                if not _explicit(self, target):
                     _fill(self, target, value)
                 elif stated and current != value:
                     raise ValueError(

@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config.base import BaseConfig
+from engine.config.base import DEFAULT_MAX_STEPS, DEFAULT_SEQ_LEN, BaseConfig
+from engine.config.model import TINY_MODEL
 from engine.config.plugin import CustomPluginConfig
 from engine.placement import parse_cores
 
@@ -247,11 +248,11 @@ class TrainerConfig(BaseConfig):
     """The FSDP2 trainer pool, shared by the SFT and RL stages."""
 
     model: Annotated[
-        str | None, Field(description="Model to train; filled from the shared `model.name`.")
-    ] = None
+        str, Field(description="Model to train; filled from the shared `model.name`.")
+    ] = TINY_MODEL
     seq_len: Annotated[
-        int | None, Field(ge=16, description="Packed row length in tokens; filled from `seq_len`.")
-    ] = None
+        int, Field(ge=16, description="Packed row length in tokens; filled from `seq_len`.")
+    ] = DEFAULT_SEQ_LEN
     init_checkpoint: Annotated[
         str | None,
         Field(
@@ -260,8 +261,8 @@ class TrainerConfig(BaseConfig):
         ),
     ] = None
     max_steps: Annotated[
-        int | None, Field(ge=1, description="RL optimizer steps; filled from `max_steps`.")
-    ] = None
+        int, Field(ge=1, description="RL optimizer steps; filled from `max_steps`.")
+    ] = DEFAULT_MAX_STEPS
     micro_batch_tokens: Annotated[
         int | None,
         Field(ge=16, description="Tokens per micro-batch (gradient accumulation); None: seq_len."),

@@ -62,8 +62,6 @@ class ServerFleet:
         cache_dir: Path | None = None,
         revision: str | None = None,
     ) -> None:
-        if config.model is None:
-            raise ValueError("inference.model is not set (it is filled from model.name)")
         self.config = config
         self.log_dir = Path(log_dir)
         self.cache_dir = cache_dir or default_cache_dir()
@@ -81,7 +79,6 @@ class ServerFleet:
     @property
     def model_name(self) -> str:
         """The name clients send as `model` (the configured name, not the resolved path)."""
-        assert self.config.model is not None
         return self.config.model
 
     @property
@@ -161,7 +158,6 @@ class ServerFleet:
     # -- start-up --------------------------------------------------------------------------
 
     def _resolve_model(self) -> str:
-        assert self.config.model is not None
         try:
             model = resolve_model(self.config.model, cache_dir=self.cache_dir)
         except ModelPathError as exc:

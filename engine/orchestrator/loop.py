@@ -85,8 +85,6 @@ class Orchestrator:
         stop: threading.Event | None = None,
         online_eval: OnlineEval | None = None,
     ) -> None:
-        if config.max_steps is None or config.seq_len is None:
-            raise ValueError("orchestrator.max_steps and seq_len must be set (shared fields)")
         self.config = config
         self.store = store
         self.server = server
@@ -128,7 +126,6 @@ class Orchestrator:
     async def run(self) -> list[dict[str, float]]:
         """Commit every remaining step (resuming after the last committed one); its metrics."""
         first = self._resume()
-        assert self.config.max_steps is not None
         try:
             for step in range(first, self.config.max_steps + 1):
                 started = time.monotonic()

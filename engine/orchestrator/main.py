@@ -126,7 +126,6 @@ def evaluate_policy(
     entries = mix_entries(eval_config.envs, eval_config.sampling)
     tokenizer = load_tokenizer(config)
     seq_len = config.orchestrator.seq_len
-    assert seq_len is not None
     if step != pool.policy_version:
         uri = stage_store(store, stage).url(RunLayout.checkpoint_dir(step))
         pool.reload(uri, version=step)

@@ -150,7 +150,6 @@ class SharedTrainer:
                 f"(pools.tenants); Prefect queues runs on the concurrency limit "
                 f"primeflow-pool-{self.pool} when they go through `primeflow rl`"
             )
-        assert self.config.trainer.model is not None
         problems = misfits(self.config.trainer.model, lora_of(self.config), config)
         return "; ".join(problems) if problems else None
 
@@ -199,7 +198,6 @@ class SharedTrainer:
     def _admit(self, name: str, attempt: str, config_json: str) -> None:
         config = PrimeflowConfig.model_validate_json(config_json)
         trainer_config = config.trainer
-        assert trainer_config.max_steps is not None
         self._hold(None)
         trainer = trainer_on(
             self.ctx,

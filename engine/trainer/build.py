@@ -95,7 +95,6 @@ class Trainer:
 
     @property
     def seq_len(self) -> int:
-        assert self.config.trainer.seq_len is not None
         return self.config.trainer.seq_len
 
     def pack(self, samples: Sequence[Sample]) -> tuple[list[PackedRows], int]:
@@ -191,7 +190,6 @@ def initial_weights(config: TrainerConfig, folder: Path) -> str:
             f"trainer.init_checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
             "training it"
         )
-    assert config.model is not None
     return config.model
 
 
@@ -203,7 +201,6 @@ def adapter_base(config: TrainerConfig, folder: Path | None) -> str:
     if folder is not None and not is_adapter(folder):
         assert config.init_checkpoint is not None
         return config.init_checkpoint
-    assert config.model is not None
     return config.model
 
 
@@ -211,7 +208,6 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
     """Load the model (`trainer.init_checkpoint`'s weights or adapter when set), shard it,
     and wrap it with what every step needs."""
     trainer_config = config.trainer
-    assert trainer_config.model is not None and trainer_config.seq_len is not None
     dtype = compute_dtype(trainer_config.dtype, dist.device)
     options = ModelOptions(
         compute_dtype=dtype,

@@ -34,7 +34,6 @@ log = logging.getLogger("primeflow.trainer")
 def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -> None:
     """RL: one optimizer step per committed rollout step, up to `trainer.max_steps`."""
     trainer_config = config.trainer
-    assert trainer_config.max_steps is not None
     trainer = build_trainer(
         config,
         "rl",

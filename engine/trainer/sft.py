@@ -28,7 +28,6 @@ def sft_max_steps(config: PrimeflowConfig, data: SftDataset) -> int:
 def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -> None:
     """SFT: NLL on assistant tokens, seeded epochs, eval loss on the held-out split."""
     sft = config.sft
-    assert config.trainer.model is not None and config.trainer.seq_len is not None
     tokenizer = load_tokenizer(config.trainer.model, config.model.revision)
     if tokenizer is None:
         raise ValueError(f"SFT needs a tokenizer with a chat template: {config.trainer.model!r}")

@@ -32,7 +32,6 @@ def in_process_group(config: PrimeflowConfig, run: RankMain) -> None:
     """Join the process group and `run` this rank. `trainer.cpu_cores` pins a CPU trainer away
     from the vLLM servers' cores; a GPU trainer is not pinned, so that a CPU config runs on a GPU
     machine with only its devices overridden."""
-    assert config.trainer.model is not None
     if config.trainer.cpu_cores and not torch.cuda.is_available():
         cores = bind_to_cores(config.trainer.cpu_cores, "trainer.cpu_cores")
         if config.trainer.num_threads is None:

@@ -25,6 +25,22 @@ def test_defaults_fill_shared_fields_into_every_section() -> None:
     assert config.trainer.max_steps == config.orchestrator.max_steps == config.max_steps
 
 
+def test_a_stated_shared_field_fills_sections_that_hold_only_their_default() -> None:
+    config = load_config(["--seq-len", "512", "--max-steps", "7", "--model.name", "m"])
+    assert (config.trainer.seq_len, config.orchestrator.seq_len) == (512, 512)
+    assert config.inference.max_model_len == 512
+    assert (config.trainer.max_steps, config.orchestrator.max_steps) == (7, 7)
+    assert config.trainer.model == config.inference.model == config.orchestrator.model == "m"
+
+
+def test_the_schema_the_ui_draws_requires_no_field() -> None:
+    """Sections' copies of shared fields have defaults, so the Prefect form asks for none."""
+    schema = PrimeflowConfig.model_json_schema()
+    sections = ("TrainerConfig", "InferenceConfig", "OrchestratorConfig")
+    required = {name: schema["$defs"][name].get("required") for name in sections}
+    assert not schema.get("required") and not any(required.values()), required
+
+
 def test_files_compose_left_to_right_and_flags_win(tmp_path: Path) -> None:
     a = write(tmp_path, "a.toml", "[trainer.optim]\nlr = 1e-4\nweight_decay = 0.1\n")
     b = write(tmp_path, "b.toml", "[trainer.optim]\nlr = 2e-4\n")
