@@ -10,6 +10,7 @@ from pathlib import Path
 from engine.config import PrimeflowConfig
 from engine.config.run import StorageConfig
 from storage.backends import split_uri
+from storage.commit import latest_committed_step
 from storage.layout import RunLayout, Stage, run_uri
 from storage.manifest import write_manifest
 from storage.store import ObjectStore
@@ -63,6 +64,21 @@ def store_at(uri: str, storage: StorageConfig) -> ObjectStore:
 def run_store(config: PrimeflowConfig) -> ObjectStore:
     """The store rooted at `<storage.uri>/<run.name>`."""
     return store_at(run_uri(config.storage.uri, config.run.name), config.storage)
+
+
+def rl_start(config: PrimeflowConfig, root: ObjectStore) -> str | None:
+    """The checkpoint RL starts from: this run's SFT result (its newest committed checkpoint)
+    when the run has an SFT stage, else `trainer.init_checkpoint`, else None (the model).
+
+    Stated once and read from the run's root, so that every process of the stage agrees
+    without being told: the leader's and each follower node's trainer ranks, a tenant's shared
+    trainer, and the flow that loads the same weights into the inference pool."""
+    if config.sft.enabled:
+        sft = stage_store(root, "sft")
+        step = latest_committed_step(sft, RunLayout.CHECKPOINTS)
+        if step is not None:
+            return sft.url(RunLayout.checkpoint_dir(step))
+    return config.trainer.init_checkpoint
 
 
 def primeflow_home() -> Path:

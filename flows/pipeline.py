@@ -16,12 +16,12 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from engine.config import PrimeflowConfig, with_overrides
+from engine.config import PrimeflowConfig
 from engine.inference.fleet import serving_device
 from engine.preflight import STAGES, preflight
 from engine.report import write_run_report
 from engine.results import PipelineResult, RunReport, StageResult
-from engine.run import Run, open_run
+from engine.run import Run, open_run, rl_start
 from engine.wandb_sink import WandbSink, wandb_sink
 from storage.metrics import compact_metrics
 from tasks.hooks import ON_CANCELLATION, config_of_run, kill_pools_on_exit
@@ -69,11 +69,6 @@ def metrics_sink(config: PrimeflowConfig, run: Run) -> AbstractContextManager[Wa
     return wandb_sink(config.wandb, config.run.name, config.model_dump(mode="json"), run.local)
 
 
-def with_init_checkpoint(config: PrimeflowConfig, uri: str | None) -> PrimeflowConfig:
-    """RL starts from the SFT result when there is one."""
-    return config if uri is None else with_overrides(config, {"trainer.init_checkpoint": uri})
-
-
 @flow(
     name="post-train",
     flow_run_name=flow_run_name,
@@ -103,7 +98,8 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
             assert sft_result.checkpoint is not None  # a finished stage has its checkpoint
             pool.reload(sft_result.checkpoint, version=0)
             eval_sft = evaluate_checkpoint(config, run, pool, name="sft", sink=sink)
-        config = with_init_checkpoint(config, sft_result.checkpoint if sft_result else None)
+        elif (start := rl_start(config, run.store)) is not None:
+            pool.reload(start, version=0)  # RL's version 0 is what its trainer starts from
         rl_result = rl_loop(config, run, pool, sink)
         eval_rl = evaluate_checkpoint(
             config, run, pool, name="rl", step=rl_result.checkpoint_step, sink=sink
@@ -147,12 +143,13 @@ def sft(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> Sta
     on_crashed=[kill_pools_on_exit],
 )
 def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> StageResult:
-    """The async RL stage alone, from `trainer.init_checkpoint` or the model itself."""
+    """The async RL stage alone, from where `engine.run.rl_start` says: the run's SFT result,
+    `trainer.init_checkpoint` or the model itself."""
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "rl"])
     with metrics_sink(config, run) as sink, inference_pool(config, run) as pool:
-        if config.trainer.init_checkpoint is not None:
-            pool.reload(config.trainer.init_checkpoint, version=0)
+        if (start := rl_start(config, run.store)) is not None:
+            pool.reload(start, version=0)
         result = rl_loop(config, run, pool, sink)
     compact_metrics(run.store)
     return result

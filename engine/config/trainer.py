@@ -256,8 +256,8 @@ class TrainerConfig(BaseConfig):
     init_checkpoint: Annotated[
         str | None,
         Field(
-            description="Committed checkpoint (path or URI) whose weights the stage starts from "
-            "instead of the model's; the pipeline sets it to the SFT result for RL."
+            description="Committed checkpoint (path or URI) whose weights SFT starts from "
+            "instead of the model's; RL too, unless the run has an SFT result of its own."
         ),
     ] = None
     max_steps: Annotated[

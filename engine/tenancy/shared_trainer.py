@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from engine.config import PrimeflowConfig
+from engine.run import rl_start
 from engine.tenancy.files import ENDED, TenantFiles, lora_of, misfits, tenant_names
 from engine.trainer.build import Trainer, load_start_adapter, policy_context, trainer_on
 from engine.trainer.distributed import DistInfo, from_main
@@ -88,7 +89,7 @@ class SharedTrainer:
         self.pool = config.pools.name
         self.dist = dist
         self.assets = assets
-        self.ctx: StepContext = policy_context(config, dist)
+        self.ctx: StepContext = policy_context(config, dist, config.trainer.init_checkpoint)
         self.params = [p for _, p in self.ctx.policy.trainable()]
         self.tenants: dict[str, Tenant] = {}
         #: The tenant whose adapter the slot holds.
@@ -208,7 +209,7 @@ class SharedTrainer:
             trainer_config.scheduler,
             trainer_config.max_steps,
         )
-        load_start_adapter(self.ctx.policy, config)
+        load_start_adapter(self.ctx.policy, config, rl_start(config, trainer.run_store))
         first, _ = trainer.resume()
         tenant = Tenant(
             name=name,

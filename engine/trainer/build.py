@@ -179,7 +179,7 @@ class Trainer:
 
 
 def initial_weights(config: TrainerConfig, folder: Path) -> str:
-    """The model to load for `init_checkpoint` `folder`: the folder itself when it holds a
+    """The model to load for the start checkpoint `folder`: the folder itself when it holds a
     whole model (for a LoRA run, the base a fresh adapter trains on: a full-weight SFT's
     result), else `trainer.model`, which the folder's LoRA adapter (a LoRA SFT's result) is
     then loaded into."""
@@ -187,26 +187,26 @@ def initial_weights(config: TrainerConfig, folder: Path) -> str:
         return str(folder)
     if config.lora is None:
         raise ValueError(
-            f"trainer.init_checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
+            f"the start checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
             "training it"
         )
     return config.model
 
 
-def adapter_base(config: TrainerConfig, folder: Path | None) -> str:
-    """What a LoRA run's adapters are trained on, as configured: `trainer.init_checkpoint`
-    when it holds whole weights (`folder` is its local copy), else `trainer.model`. Every
-    adapter the run writes names it (`base_model_name_or_path`), so that a server can bring
-    that base in before serving the adapter."""
-    if folder is not None and not is_adapter(folder):
-        assert config.init_checkpoint is not None
-        return config.init_checkpoint
+def adapter_base(config: TrainerConfig, start: str | None, folder: Path | None) -> str:
+    """What a LoRA run's adapters are trained on: the start checkpoint when it holds whole
+    weights (`folder` is its local copy), else `trainer.model`. Every adapter the run writes
+    names it (`base_model_name_or_path`), so that a server can bring that base in before
+    serving the adapter."""
+    if start is not None and folder is not None and not is_adapter(folder):
+        return start
     return config.model
 
 
-def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
-    """Load the model (`trainer.init_checkpoint`'s weights or adapter when set), shard it,
-    and wrap it with what every step needs."""
+def policy_context(config: PrimeflowConfig, dist: DistInfo, start: str | None) -> StepContext:
+    """Load the model (the weights or adapter of checkpoint `start` when given: SFT's
+    `trainer.init_checkpoint`, RL's `engine.run.rl_start`), shard it, and wrap it with what
+    every step needs."""
     trainer_config = config.trainer
     dtype = compute_dtype(trainer_config.dtype, dist.device)
     options = ModelOptions(
@@ -217,14 +217,14 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
         revision=config.model.revision,
         lora=trainer_config.lora,
     )
-    folder = init_folder(config)
+    folder = start_folder(config, start)
     weights = trainer_config.model if folder is None else initial_weights(trainer_config, folder)
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
-    policy.adapter_base = adapter_base(trainer_config, folder)
+    policy.adapter_base = adapter_base(trainer_config, start, folder)
     if policy.lora is not None:
-        load_start_adapter(policy, config)
+        load_start_adapter(policy, config, start)
     on_gpu = dist.device.type == "cuda"
     return StepContext(
         policy=policy,
@@ -235,21 +235,21 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo) -> StepContext:
     )
 
 
-def load_start_adapter(policy: PolicyModel, config: PrimeflowConfig) -> None:
-    """A LoRA run's first adapter: `trainer.init_checkpoint`'s (a LoRA SFT's result), or a
-    fresh one drawn from `run.seed` alone, so that a run starts from the same adapter on a
-    trainer of its own and as a tenant of shared pools.
+def load_start_adapter(policy: PolicyModel, config: PrimeflowConfig, start: str | None) -> None:
+    """A LoRA run's first adapter: checkpoint `start`'s (a LoRA SFT's result), or a fresh one
+    drawn from `run.seed` alone, so that a run starts from the same adapter on a trainer of
+    its own and as a tenant of shared pools.
 
-    A fresh adapter on a whole-weight `init_checkpoint` trains on that checkpoint, so the
-    model loaded must be it: a tenant of shared pools, whose model is the pools', is refused.
+    A fresh adapter on a whole-weight `start` trains on that checkpoint, so the model loaded
+    must be it: a tenant of shared pools, whose model is the pools', is refused.
     """
-    folder = init_folder(config)
+    folder = start_folder(config, start)
     whole = folder is not None and not is_adapter(folder)
-    if whole and adapter_base(config.trainer, folder) != policy.adapter_base:
+    if whole and adapter_base(config.trainer, start, folder) != policy.adapter_base:
         raise ValueError(
-            f"trainer.init_checkpoint {config.trainer.init_checkpoint} holds whole weights, a "
-            f"base of this run's own, but the adapter trains on {policy.adapter_base}: start "
-            "from an adapter (a LoRA SFT's result) or from no checkpoint"
+            f"the start checkpoint {start} holds whole weights, a base of this run's own, but "
+            f"the adapter trains on {policy.adapter_base}: start from an adapter (a LoRA SFT's "
+            "result) or from no checkpoint"
         )
     if folder is None or whole:
         shapes = {name: tuple(p.shape) for name, p in policy.trainable()}
@@ -258,11 +258,11 @@ def load_start_adapter(policy: PolicyModel, config: PrimeflowConfig) -> None:
     load_adapter(policy, load_checkpoint_weights(folder))
 
 
-def init_folder(config: PrimeflowConfig) -> Path | None:
-    """`trainer.init_checkpoint` as a local folder (fetched when remote); None when unset."""
-    if config.trainer.init_checkpoint is None:
+def start_folder(config: PrimeflowConfig, start: str | None) -> Path | None:
+    """Checkpoint `start` as a local folder (fetched when remote); None for no checkpoint."""
+    if start is None:
         return None
-    return local_checkpoint(config.trainer.init_checkpoint, default_cache_dir(), config.storage)
+    return local_checkpoint(start, default_cache_dir(), config.storage)
 
 
 def trainer_on(
@@ -311,7 +311,9 @@ def build_trainer(
     optim: OptimizerConfig,
     scheduler_config: SchedulerConfig,
     max_steps: int,
+    start: str | None,
 ) -> Trainer:
-    """Load, shard and wrap the model with its optimizer and schedule."""
-    ctx = policy_context(config, dist)
+    """Load, shard and wrap the model (from checkpoint `start`) with its optimizer and
+    schedule."""
+    ctx = policy_context(config, dist, start)
     return trainer_on(ctx, config, stage, assets, optim, scheduler_config, max_steps)

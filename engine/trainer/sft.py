@@ -39,7 +39,8 @@ def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -
         allow_truncation=config.trainer.truncate,
     )
     max_steps = sft_max_steps(config, data)
-    trainer = build_trainer(config, "sft", dist, assets, sft.optim, sft.scheduler, max_steps)
+    start = config.trainer.init_checkpoint
+    trainer = build_trainer(config, "sft", dist, assets, sft.optim, sft.scheduler, max_steps, start)
     first, progress = trainer.resume()
     position = int(progress.get("position", 0))
     try:

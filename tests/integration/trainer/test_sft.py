@@ -188,4 +188,4 @@ def test_full_weight_sft_then_lora_rl_trains_a_fresh_adapter_on_its_result(
     # A run whose model is another base (a tenant of shared pools) cannot start a fresh
     # adapter on these whole weights: it would train on the wrong model.
     with pytest.raises(ValueError, match="holds whole weights"):
-        load_start_adapter(SimpleNamespace(adapter_base=str(tiny_model_dir)), on_sft)  # type: ignore[arg-type]
+        load_start_adapter(SimpleNamespace(adapter_base=str(tiny_model_dir)), on_sft, base)  # type: ignore[arg-type]
