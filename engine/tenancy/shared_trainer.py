@@ -33,7 +33,13 @@ import torch
 from engine.config import PrimeflowConfig
 from engine.run import rl_start
 from engine.tenancy.files import ENDED, TenantFiles, lora_of, misfits, tenant_names
-from engine.trainer.build import Trainer, load_start_adapter, policy_context, trainer_on
+from engine.trainer.build import (
+    StageStart,
+    Trainer,
+    load_start_adapter,
+    policy_context,
+    trainer_on,
+)
 from engine.trainer.distributed import DistInfo, from_main
 from engine.trainer.loss import LossFn, build_loss
 from engine.trainer.publish import PolicyPublisher
@@ -89,7 +95,8 @@ class SharedTrainer:
         self.pool = config.pools.name
         self.dist = dist
         self.assets = assets
-        self.ctx: StepContext = policy_context(config, dist, config.trainer.init_checkpoint)
+        start = StageStart(config.trainer.init_checkpoint, config.trainer.lora)
+        self.ctx: StepContext = policy_context(config, dist, start)
         self.params = [p for _, p in self.ctx.policy.trainable()]
         self.tenants: dict[str, Tenant] = {}
         #: The tenant whose adapter the slot holds.

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from engine.config import PrimeflowConfig
-from engine.config.trainer import OptimizerConfig, SchedulerConfig, TrainerConfig
+from engine.config.trainer import LoraConfig, OptimizerConfig, SchedulerConfig, TrainerConfig
 from engine.local_checkpoints import local_checkpoint
 from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
@@ -178,14 +178,32 @@ class Trainer:
             log.info("%s step %d %s", self.stage, step, json.dumps(shown, sort_keys=True))
 
 
-def initial_weights(config: TrainerConfig, folder: Path) -> str:
+@dataclass(frozen=True)
+class StageStart:
+    """What a stage builds its model from, beside the config: the checkpoint it starts from
+    (None: the model) and the adapters it trains (None: every weight). Each stage states its
+    own (`sft_start`; RL: `engine.run.rl_start` and `trainer.lora`) instead of rewriting the
+    config it was given."""
+
+    checkpoint: str | None
+    lora: LoraConfig | None
+
+
+def sft_start(config: PrimeflowConfig) -> StageStart:
+    """SFT starts from `trainer.init_checkpoint` and trains every weight when
+    `sft.full_weights` says so (LoRA RL then trains a fresh adapter on its result)."""
+    lora = None if config.sft.full_weights else config.trainer.lora
+    return StageStart(config.trainer.init_checkpoint, lora)
+
+
+def initial_weights(config: TrainerConfig, folder: Path, lora: LoraConfig | None) -> str:
     """The model to load for the start checkpoint `folder`: the folder itself when it holds a
     whole model (for a LoRA run, the base a fresh adapter trains on: a full-weight SFT's
     result), else `trainer.model`, which the folder's LoRA adapter (a LoRA SFT's result) is
     then loaded into."""
     if not is_adapter(folder):
         return str(folder)
-    if config.lora is None:
+    if lora is None:
         raise ValueError(
             f"the start checkpoint {folder} is a LoRA adapter: set trainer.lora to go on "
             "training it"
@@ -203,10 +221,9 @@ def adapter_base(config: TrainerConfig, start: str | None, folder: Path | None) 
     return config.model
 
 
-def policy_context(config: PrimeflowConfig, dist: DistInfo, start: str | None) -> StepContext:
-    """Load the model (the weights or adapter of checkpoint `start` when given: SFT's
-    `trainer.init_checkpoint`, RL's `engine.run.rl_start`), shard it, and wrap it with what
-    every step needs."""
+def policy_context(config: PrimeflowConfig, dist: DistInfo, start: StageStart) -> StepContext:
+    """Load the model (the weights or adapter of `start.checkpoint` when given), shard it, and
+    wrap it with what every step needs."""
     trainer_config = config.trainer
     dtype = compute_dtype(trainer_config.dtype, dist.device)
     options = ModelOptions(
@@ -215,16 +232,20 @@ def policy_context(config: PrimeflowConfig, dist: DistInfo, start: str | None) -
         compile=trainer_config.compile,
         trust_remote_code=config.model.trust_remote_code,
         revision=config.model.revision,
-        lora=trainer_config.lora,
+        lora=start.lora,
     )
-    folder = start_folder(config, start)
-    weights = trainer_config.model if folder is None else initial_weights(trainer_config, folder)
+    folder = start_folder(config, start.checkpoint)
+    weights = (
+        trainer_config.model
+        if folder is None
+        else initial_weights(trainer_config, folder, start.lora)
+    )
     causal_lm = load_causal_lm(weights, options)
     num_parameters = sum(p.numel() for p in causal_lm.parameters())
     policy = build_policy(causal_lm, dist.mesh, dist.device, options)
-    policy.adapter_base = adapter_base(trainer_config, start, folder)
+    policy.adapter_base = adapter_base(trainer_config, start.checkpoint, folder)
     if policy.lora is not None:
-        load_start_adapter(policy, config, start)
+        load_start_adapter(policy, config, start.checkpoint)
     on_gpu = dist.device.type == "cuda"
     return StepContext(
         policy=policy,
@@ -311,9 +332,8 @@ def build_trainer(
     optim: OptimizerConfig,
     scheduler_config: SchedulerConfig,
     max_steps: int,
-    start: str | None,
+    start: StageStart,
 ) -> Trainer:
-    """Load, shard and wrap the model (from checkpoint `start`) with its optimizer and
-    schedule."""
+    """Load, shard and wrap the model (as `start` says) with its optimizer and schedule."""
     ctx = policy_context(config, dist, start)
     return trainer_on(ctx, config, stage, assets, optim, scheduler_config, max_steps)

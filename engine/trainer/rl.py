@@ -18,7 +18,7 @@ import pyarrow as pa
 from engine.config import PrimeflowConfig
 from engine.run import rl_start
 from engine.run import run_store as open_store
-from engine.trainer.build import Trainer, build_trainer
+from engine.trainer.build import StageStart, Trainer, build_trainer
 from engine.trainer.distributed import DistInfo, agree_sums
 from engine.trainer.loss import LossFn, build_loss, loss_normalization, sequence_weights
 from engine.trainer.publish import AdapterPublisher, PolicyPublisher
@@ -44,7 +44,7 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
         trainer_config.optim,
         trainer_config.scheduler,
         trainer_config.max_steps,
-        rl_start(config, open_store(config)),
+        StageStart(rl_start(config, open_store(config)), config.trainer.lora),
     )
     loss_fn = build_loss(trainer_config.loss)
     first, _ = trainer.resume()

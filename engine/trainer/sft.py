@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from engine.config import PrimeflowConfig
-from engine.trainer.build import Trainer, build_trainer, load_tokenizer
+from engine.trainer.build import Trainer, build_trainer, load_tokenizer, sft_start
 from engine.trainer.distributed import DistInfo
 from engine.trainer.loss import sft_loss
 from engine.trainer.packing import Sample
@@ -39,7 +39,7 @@ def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -
         allow_truncation=config.trainer.truncate,
     )
     max_steps = sft_max_steps(config, data)
-    start = config.trainer.init_checkpoint
+    start = sft_start(config)
     trainer = build_trainer(config, "sft", dist, assets, sft.optim, sft.scheduler, max_steps, start)
     first, progress = trainer.resume()
     position = int(progress.get("position", 0))

@@ -28,11 +28,11 @@ from storage.layout import Stage
 RankMain = Callable[[PrimeflowConfig, DistInfo, dict[str, bytes]], None]
 
 
-def in_process_group(config: PrimeflowConfig, run: RankMain) -> None:
-    """Join the process group and `run` this rank. `trainer.cpu_cores` pins a CPU trainer away
-    from the vLLM servers' cores; a GPU trainer is not pinned, so that a CPU config runs on a GPU
-    machine with only its devices overridden."""
-    if config.trainer.cpu_cores and not torch.cuda.is_available():
+def in_process_group(config: PrimeflowConfig, run: RankMain, *, pin: bool = True) -> None:
+    """Join the process group and `run` this rank. With `pin`, `trainer.cpu_cores` pins a CPU
+    trainer away from the vLLM servers' cores; a GPU trainer is not pinned, so that a CPU
+    config runs on a GPU machine with only its devices overridden."""
+    if pin and config.trainer.cpu_cores and not torch.cuda.is_available():
         cores = bind_to_cores(config.trainer.cpu_cores, "trainer.cpu_cores")
         if config.trainer.num_threads is None:
             torch.set_num_threads(len(cores))
@@ -44,14 +44,8 @@ def in_process_group(config: PrimeflowConfig, run: RankMain) -> None:
 
 
 def run_stage(config: PrimeflowConfig, stage: Stage) -> None:
-    """Run `stage` on this rank. SFT is never pinned (it has no inference beside it), and
-    trains every weight when `sft.full_weights` says so."""
-    if stage == "sft":
-        lora = None if config.sft.full_weights else config.trainer.lora
-        config = config.model_copy(
-            update={"trainer": config.trainer.model_copy(update={"cpu_cores": None, "lora": lora})}
-        )
-    in_process_group(config, run_sft if stage == "sft" else run_rl)
+    """Run `stage` on this rank. SFT is never pinned: it has no inference beside it."""
+    in_process_group(config, run_sft if stage == "sft" else run_rl, pin=stage == "rl")
 
 
 def rank_config(config_path: str) -> PrimeflowConfig:
