@@ -18,6 +18,7 @@ from prefect.runtime import flow_run
 
 from engine.config import PrimeflowConfig
 from engine.inference.fleet import serving_device
+from engine.inference.on_demand import PoolOnDemand
 from engine.preflight import STAGES, preflight
 from engine.report import write_run_report
 from engine.results import PipelineResult, RunReport, StageResult
@@ -69,6 +70,13 @@ def metrics_sink(config: PrimeflowConfig, run: Run) -> AbstractContextManager[Wa
     return wandb_sink(config.wandb, config.run.name, config.model_dump(mode="json"), run.local)
 
 
+def serve_rl_start(config: PrimeflowConfig, run: Run, pool: PoolOnDemand) -> None:
+    """The pool serves what RL's trainer starts from (`engine.run.rl_start`) as policy version
+    0, when that is a checkpoint rather than the model the pool started with."""
+    if (start := rl_start(config, run.store)) is not None:
+        pool.reload(start, version=0)
+
+
 @flow(
     name="post-train",
     flow_run_name=flow_run_name,
@@ -94,12 +102,9 @@ def post_train(config: PrimeflowConfig, overrides: dict[str, Any] | None = None)
         finally:
             base.wait()  # no evaluation outlives the pool, whatever ended SFT
         eval_base = base.result()
+        serve_rl_start(config, run, pool)  # the SFT result when SFT ran
         if sft_result is not None:
-            assert sft_result.checkpoint is not None  # a finished stage has its checkpoint
-            pool.reload(sft_result.checkpoint, version=0)
             eval_sft = evaluate_checkpoint(config, run, pool, name="sft", sink=sink)
-        elif (start := rl_start(config, run.store)) is not None:
-            pool.reload(start, version=0)  # RL's version 0 is what its trainer starts from
         rl_result = rl_loop(config, run, pool, sink)
         eval_rl = evaluate_checkpoint(
             config, run, pool, name="rl", step=rl_result.checkpoint_step, sink=sink
@@ -148,8 +153,7 @@ def rl(config: PrimeflowConfig, overrides: dict[str, Any] | None = None) -> Stag
     config = resolve(config, overrides)
     run = open_run(config, command=["prefect", "rl"])
     with metrics_sink(config, run) as sink, inference_pool(config, run) as pool:
-        if (start := rl_start(config, run.store)) is not None:
-            pool.reload(start, version=0)
+        serve_rl_start(config, run, pool)
         result = rl_loop(config, run, pool, sink)
     compact_metrics(run.store)
     return result
