@@ -165,6 +165,16 @@ class OrchestratorConfig(BaseConfig):
         ),
     ] = None
     filters: Annotated[list[FilterConfig], Field(description="Applied in order.")] = []
+    max_steps_without_signal: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Fail the run after this many steps in a row whose every group scored "
+            "alike (no advantage, no update) at a reward below the run's best step: the policy "
+            "collapsed. At the best reward (solved, or never paid) such steps are only logged. "
+            "None: never fail.",
+        ),
+    ] = 20
 
     @model_validator(mode="after")
     def _env_labels_are_unique(self) -> OrchestratorConfig:

@@ -38,6 +38,7 @@ from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
+from engine.orchestrator.signal_watch import SignalWatch
 from engine.orchestrator.skips import SkipWatch
 from engine.orchestrator.step_metrics import mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
@@ -98,6 +99,7 @@ class Orchestrator:
         self.advantage_fn = build_advantage_fn(config.advantage, config.sampling.max_tokens)
         self.filters = build_filters(config.filters)
         self.skips = SkipWatch()
+        self.signal = SignalWatch(config.max_steps_without_signal)
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
         self._pending: deque[tuple[int, Group]] = deque()
@@ -463,3 +465,5 @@ class Orchestrator:
             served,
             metrics["policy/oldest_version"],
         )
+        # After the commit: the steps up to a collapse stay, for a look at what the policy did
+        self.signal.record(step, metrics["advantage/zero_group_fraction"], metrics["reward/mean"])

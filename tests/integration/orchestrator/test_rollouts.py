@@ -24,6 +24,7 @@ from engine.inference.pool import InferencePool
 from engine.orchestrator.async_bound import min_policy_version
 from engine.orchestrator.main import run_orchestrator
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
+from engine.orchestrator.signal_watch import RewardCollapsedError
 from engine.orchestrator.skips import EnvironmentSkippedError
 from engine.run import run_store
 from storage.checkpoints import write_checkpoint
@@ -349,3 +350,31 @@ def test_an_environment_whose_every_prompt_is_too_long_fails_the_run_instead_of_
     skip_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped")]
     assert 1 <= len(skip_lines) <= 3, skip_lines  # counted lines, not one per rollout
     assert committed_steps(run_store(config), RunLayout.ROLLOUTS) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_reward_that_collapses_fails_the_run_after_the_steps_without_signal(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig]
+) -> None:
+    """On the GPU model at too high a rate tool-math's calls broke within 16 steps and the run
+    sampled 84 more steps whose every group scored 0, each update skipped. Such a run now stops
+    after `max_steps_without_signal` of them, every step before the stop committed."""
+    config = make_config(
+        max_steps=8,
+        orchestrator={
+            "envs": [EnvConfig(id="tests.unit.envs.collapsing_env")],
+            "max_async_level": 8,  # no trainer here: every step samples version 0
+            "max_steps_without_signal": 3,
+            "max_concurrent": 8,  # one step ahead, short replies: the reward ignores them
+            "sampling": {"temperature": 1.0, "max_tokens": 4},
+        },
+    )
+    with pytest.raises(RewardCollapsedError) as caught:
+        run_orchestrator(config, pool)
+    lines = read_metrics(run_store(config), "orchestrator")
+    last = lines[-1]["step"]
+    assert str(caught.value).startswith(f"no learning signal for 3 steps ({last - 2}-{last}): ")
+    assert last < config.orchestrator.max_steps
+    assert committed_steps(run_store(config), RunLayout.ROLLOUTS) == list(range(1, last + 1))
+    assert [line["advantage/zero_group_fraction"] for line in lines[-3:]] == [1.0, 1.0, 1.0]
+    assert max(line["reward/mean"] for line in lines) > 0.0 == lines[-1]["reward/mean"]

@@ -1,0 +1,62 @@
+"""A run whose reward collapsed: a stop with what happened, instead of steps that teach nothing.
+
+When every group of a batch scored alike, no sample has an advantage, the trainer skips its
+update (a zero gradient), and the step only costs time. That is how a collapsed policy looks:
+on the GPU model at too high a learning rate, tool-math's calls degenerated within 16 steps
+(reward 0.26 to 0.000, every rollout unparsable) and the run then sampled and skipped 84 more
+steps. `SignalWatch` fails the run once `max_steps` steps in a row had no signal while the
+reward is below the best step's, naming the steps, the reward then and now, and what to
+change. Steps without signal at the run's best reward (a solved task, or one that never paid
+anything) are logged, not failed: the run goes on as configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+#: A reward this close to the best step's counts as at the best (float noise, not a fall).
+TOLERANCE = 1e-6
+
+
+class RewardCollapsedError(RuntimeError):
+    """Steps in a row without any advantage, at a reward below the run's best: nothing trains."""
+
+
+@dataclass
+class SignalWatch:
+    """Counts committed steps in a row whose every group had zero advantage."""
+
+    max_steps: int | None
+    _quiet: int = 0
+    _best: float = -math.inf
+    _best_step: int = 0
+
+    def record(self, step: int, zero_group_fraction: float, reward: float) -> None:
+        """Judge committed step `step`; raise `RewardCollapsedError` if the run collapsed."""
+        if reward > self._best:
+            self._best, self._best_step = reward, step
+        self._quiet = self._quiet + 1 if zero_group_fraction >= 1.0 else 0
+        if self.max_steps is None or self._quiet < self.max_steps:
+            return
+        first = step - self._quiet + 1
+        if reward < self._best - TOLERANCE:
+            raise RewardCollapsedError(
+                f"no learning signal for {self._quiet} steps ({first}-{step}): every group's "
+                f"rollouts scored alike, reward {reward:.3f} against {self._best:.3f} at step "
+                f"{self._best_step}, so the policy collapsed: start RL again with a lower "
+                "trainer.optim.lr (orchestrator.max_steps_without_signal sets this limit; "
+                "null turns it off)"
+            )
+        if self._quiet % self.max_steps == 0:
+            logger.warning(
+                "no learning signal for %d steps (%d-%d): every group's rollouts scored alike "
+                "at reward %.3f, the run's best; the trainer skips these updates",
+                self._quiet,
+                first,
+                step,
+                reward,
+            )
