@@ -46,6 +46,24 @@ def tool_call(call_id: str, name: str, **arguments: Any) -> dict[str, Any]:
     }
 
 
+def called_arguments(completion: Any, name: str, argument: str) -> list[str]:
+    """The string `argument` of every call to tool `name` in a rollout's `completion`, in
+    order (a call whose arguments are not JSON, or lack it, is skipped): what a reward reads
+    of the steps that led to an answer."""
+    found = []
+    for message in completion:
+        for call in message.get("tool_calls") or []:
+            if call.get("name") != name:
+                continue
+            try:
+                value = json.loads(call.get("arguments") or "{}").get(argument)
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(value, str):
+                found.append(value)
+    return found
+
+
 def tool_result(call_id: str, content: str) -> dict[str, str]:
     """The tool's reply to call `call_id` in a demonstration."""
     return {"role": "tool", "tool_call_id": call_id, "content": content}

@@ -6,10 +6,14 @@ the town lies on, who its mayor is and what it is known for. A question names th
 asks one fact. `search(query)` ranks the pages by how many of the query's words they hold
 (a local inverted index) and returns the best titles; `read(title)` returns a page, by its
 exact title, so the model must search before it can read, then answer in `<answer>` tags.
-The reward is 1 for the exact fact; another answer earns up to `NEAR_CREDIT` for its character
-similarity to the fact (a name copied with a slip is nearer than a guess; `exact_fact` is
-logged beside it), so a policy that reads the right page and copies badly still differs within
-its group, which all-or-nothing never gave RL on the models here (issue 31). The corpus is
+The reward is 1 for the exact fact; another answer earns up to `NEAR_CREDIT`: half of it for
+having read the town's page, or its character similarity to the fact where that is at least
+`NEAR_MIN` (a slip in copying), whichever is more (`exact_fact` is logged beside it). So a
+policy that reads the right page and copies badly still differs within its group, which
+all-or-nothing never gave RL on the models here (issue 31). An earlier credit paid any answer
+its similarity: RL on the 76M model learnt to skip the tools and answer a short string that
+shares a letter or two with most facts (`oan` for `good`: 0.14), a reward for no step of the
+task; under `NEAR_MIN` a guess earns nothing. The corpus is
 shared, the towns are split: eval asks about towns train never asks about. SFT rows
 (`sft_examples`) are whole tool conversations: search, read, answer.
 """
@@ -25,7 +29,13 @@ from typing import Any
 
 import verifiers as vf
 
-from engine.envs.chat import single_turn_prompt, tool_call, tool_result, tool_schemas
+from engine.envs.chat import (
+    called_arguments,
+    single_turn_prompt,
+    tool_call,
+    tool_result,
+    tool_schemas,
+)
 from engine.envs.reverse_text import similarity
 from engine.envs.words import EVAL_SEED, NAMES, WORDS
 
@@ -38,8 +48,12 @@ _STARTS = (
 _ENDS = ("brook", "by", "ford", "ham", "ley", "mere", "ston", "wick", "dale", "combe")
 #: Titles `search` returns at most.
 TOP_K = 3
-#: The most an answer other than the fact earns: this times its similarity to the fact.
+#: The most an answer other than the fact earns.
 NEAR_CREDIT = 0.5
+#: The least character similarity to the fact that earns credit: a slip, not a guess.
+NEAR_MIN = 0.6
+#: What reading the page about the question's town earns, as a share of `NEAR_CREDIT`.
+READ_SHARE = 0.5
 _WORD = re.compile(r"[a-z]+")
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 
@@ -172,11 +186,16 @@ def exact_fact(completion: Any, answer: str, **_: Any) -> float:
     return float(_tagged(completion) == answer.lower())
 
 
-def near_fact(completion: Any, answer: str, **_: Any) -> float:
-    """1 for the exact fact, else `NEAR_CREDIT` × the tagged answer's similarity to it (0
-    untagged)."""
+def near_fact(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
+    """1 for the exact fact, else `NEAR_CREDIT` × the larger of `READ_SHARE` (the town's page
+    was read) and the tagged answer's similarity to the fact, where at least `NEAR_MIN`."""
     tagged, fact = _tagged(completion), answer.lower()
-    return 1.0 if tagged == fact else NEAR_CREDIT * similarity(tagged, fact)
+    if tagged == fact:
+        return 1.0
+    near = similarity(tagged, fact)
+    titles = called_arguments(completion, "read", "title")
+    read_page = any(title.strip() == info["title"] for title in titles)  # as `read` takes them
+    return NEAR_CREDIT * max(near if near >= NEAR_MIN else 0.0, READ_SHARE * read_page)
 
 
 def sft_examples(
@@ -215,8 +234,12 @@ def load_environment(
     def rows(questions: list[Question]) -> Dataset:
         return Dataset.from_list(
             [
-                {"prompt": single_turn_prompt(question, system_prompt), "answer": answer}
-                for question, _, answer in questions
+                {
+                    "prompt": single_turn_prompt(question, system_prompt),
+                    "answer": answer,
+                    "info": {"title": page.title},
+                }
+                for question, page, answer in questions
             ]
         )
 

@@ -3,31 +3,37 @@
 Each problem needs one expression of two or three operands (`347 * 29 + 15`), which the model
 writes out of the words into a `calc` call, then it copies the tool's result into `<answer>`
 tags. The reward is 1 when the tagged integer is exactly right; a wrong answer earns up to
-`EXPRESSION_CREDIT` for how closely its best `calc` expression matches the problem's,
-character by character (`exact_answer` is logged beside it). The skill RL can add is the
-translation from words to the expression, the tool does the arithmetic. With an all-or-nothing
-reward a policy that copied the operands almost right (`381 * 42` for `381 * 24`) scored what
-no call did, and a model that got no problem exact after SFT left RL no signal (issue 31).
-`calc` is a sandbox: it walks the expression's syntax tree and computes only integer `+ - *`
-and parentheses, so a policy's call can never run code. Drawn deterministically; eval never
-shares a problem with train. SFT rows (`sft_examples`) are whole tool conversations: call,
-result, answer.
+`OPERAND_CREDIT` for the share of the problem's numbers its best `calc` call holds
+(`exact_answer` is logged beside it). The skill RL can add is copying the numbers out of the
+words into the call; the tool does the arithmetic. With an all-or-nothing reward a model that
+got no problem exact after SFT left RL no signal (issue 31); a credit by the expression's
+character similarity paid ~0.25 for the call's shape alone (`dddd - dd * dd`), which SFT
+already teaches, so the digits that matter moved it little. `calc` is a sandbox: it walks the
+expression's syntax tree and computes only integer `+ - *` and parentheses, so a policy's call
+can never run code. Drawn deterministically; eval never shares a problem with train. SFT rows
+(`sft_examples`) are whole tool conversations: call, result, answer.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import random
+import re
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import verifiers as vf
 
 from engine.envs.arithmetic import exact_answer
-from engine.envs.chat import single_turn_prompt, tool_call, tool_result, tool_schemas
-from engine.envs.reverse_text import similarity
+from engine.envs.chat import (
+    called_arguments,
+    single_turn_prompt,
+    tool_call,
+    tool_result,
+    tool_schemas,
+)
 from engine.envs.words import NAMES, disjoint_splits
 
 SYSTEM_PROMPT = "Use the calc tool for the arithmetic, then give the number in <answer> tags."
@@ -35,8 +41,9 @@ ITEMS = ("jar", "bag", "seed", "nail", "tile", "cup")
 #: The most characters `calc` reads, and the largest magnitude it computes.
 MAX_EXPRESSION = 64
 MAX_VALUE = 10**12
-#: The most a wrong answer earns: this times its closest `calc` expression's similarity.
-EXPRESSION_CREDIT = 0.5
+#: The most a wrong answer earns: this times the share of the problem's numbers in its best call.
+OPERAND_CREDIT = 0.5
+_NUMBER = re.compile(r"\d+")
 _OPERATORS: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -128,30 +135,22 @@ def sft_examples(
     ]
 
 
-def called_expressions(completion: Any) -> list[str]:
-    """The `expression` argument of every `calc` call in `completion` (unparsable: skipped)."""
-    expressions = []
-    for message in completion:
-        for call in message.get("tool_calls") or []:
-            if call.get("name") != "calc":
-                continue
-            try:
-                expression = json.loads(call.get("arguments") or "{}").get("expression")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(expression, str):
-                expressions.append(expression)
-    return expressions
+def operand_share(called: str, expression: str) -> float:
+    """The share of `expression`'s numbers that `called` holds, counted with multiplicity and
+    over the larger of the two counts, so a call padded with extra numbers earns no more."""
+    have, want = Counter(_NUMBER.findall(called)), Counter(_NUMBER.findall(expression))
+    larger = max(sum(have.values()), sum(want.values()))
+    return sum((have & want).values()) / larger if larger else 0.0
 
 
-def answer_or_expression(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
-    """1 for the exact answer, else `EXPRESSION_CREDIT` × the best call's similarity to the
-    problem's expression (0 without a call)."""
+def answer_or_operands(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
+    """1 for the exact answer, else `OPERAND_CREDIT` × the best `calc` call's `operand_share`
+    (0 without a call)."""
     if exact_answer(completion, answer):
         return 1.0
-    gold = info["expression"]
-    return EXPRESSION_CREDIT * max(
-        (similarity(called, gold) for called in called_expressions(completion)), default=0.0
+    called = called_arguments(completion, "calc", "expression")
+    return OPERAND_CREDIT * max(
+        (operand_share(expression, info["expression"]) for expression in called), default=0.0
     )
 
 
@@ -180,7 +179,7 @@ def load_environment(
     def splits() -> tuple[list[Problem], list[Problem]]:
         return make_splits(num_train_examples, num_eval_examples, seed)
 
-    rubric = vf.Rubric(funcs=[answer_or_expression])
+    rubric = vf.Rubric(funcs=[answer_or_operands])
     rubric.add_metric(exact_answer)
     return vf.ToolEnv(
         tools=[calc],

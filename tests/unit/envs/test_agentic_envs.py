@@ -13,7 +13,6 @@ import pytest
 
 from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.envs import assemble, corpus_search, load_environment, tool_math, wordle
-from engine.envs.reverse_text import similarity
 from engine.trainer.sft_data import tokenize_conversation
 
 SAMPLING = SamplingConfig(max_tokens=128)
@@ -150,15 +149,18 @@ def _calling(expression: str, answer: str) -> list[dict[str, Any]]:
     ]
 
 
-def test_tool_math_credits_a_wrong_answer_by_how_close_its_expression_came() -> None:
-    reward = tool_math.answer_or_expression
+def test_tool_math_credits_a_wrong_answer_by_the_numbers_its_call_copied() -> None:
+    reward = tool_math.answer_or_operands
     info = {"expression": "381 * 24"}
     assert reward(_calling("381 * 24", "9144"), "9144", info) == 1.0
     right_call = reward(_calling("381 * 24", "9000"), "9144", info)
-    near_call = reward(_calling("381 * 42", "16002"), "9144", info)
-    far_call = reward(_calling("7 - 5", "2"), "9144", info)
-    assert right_call == tool_math.EXPRESSION_CREDIT  # the tool was asked right, copied wrong
-    assert right_call > near_call > far_call > 0.0
+    one_number = reward(_calling("381 * 42", "16002"), "9144", info)
+    same_shape = reward(_calling("729 * 86", "62694"), "9144", info)
+    padded = reward(_calling("381 * 24 + 24 * 381", "1"), "9144", info)
+    assert right_call == tool_math.OPERAND_CREDIT  # the tool was asked right, copied wrong
+    assert one_number == tool_math.OPERAND_CREDIT / 2
+    assert same_shape == 0.0  # the call's shape alone, which SFT teaches, earns nothing
+    assert padded == tool_math.OPERAND_CREDIT / 2  # extra numbers do not pay
     no_call = [{"role": "assistant", "content": "<answer>9000</answer>"}]
     assert reward(no_call, "9144", info) == 0.0
     malformed = _calling("381 * 24", "9000")
@@ -172,7 +174,8 @@ def test_a_tool_math_rollout_with_a_miscopied_operand_earns_partial_credit(
     env = load_environment(EnvConfig(id="tool-math", args={"num_train_examples": 1}))
     task = env.tasks("train")[0]
     _, expression, answer = tool_math.make_splits(1, 0, seed=0)[0][0]
-    miscopied = expression.replace(expression[0], "0" if expression[0] != "0" else "1", 1)
+    first = expression.split()[0]
+    miscopied = expression.replace(first, str(int(first) + 1), 1)
     call = json.dumps({"name": "calc", "arguments": {"expression": miscopied}})
 
     def reply(prompt: str) -> str:
@@ -181,20 +184,31 @@ def test_a_tool_math_rollout_with_a_miscopied_operand_earns_partial_credit(
 
     (rollout,) = asyncio.run(env.run_group(task, 1, generator(policy(reply), 2048), SAMPLING))
     assert rollout.error is None and answer != 1
-    expected = tool_math.EXPRESSION_CREDIT * similarity(miscopied, expression)
+    expected = tool_math.OPERAND_CREDIT * (1 - 1 / len(expression.split()[::2]))
     assert rollout.reward == pytest.approx(expected) and 0.0 < expected < 0.5
 
 
-def test_corpus_search_credits_an_answer_by_how_near_it_is_to_the_fact() -> None:
-    def answering(text: str) -> list[dict[str, Any]]:
-        return [{"role": "assistant", "content": text}]
+def test_corpus_search_credits_reading_the_page_or_a_slip_in_copying_not_a_guess() -> None:
+    def answering(text: str, read: str | None = None) -> list[dict[str, Any]]:
+        calls = []
+        if read is not None:
+            arguments = json.dumps({"title": read})
+            calls = [{"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_0", "name": "read", "arguments": arguments}
+            ]}]  # fmt: skip
+        return [*calls, {"role": "assistant", "content": text}]
 
     reward = corpus_search.near_fact
-    assert reward(answering("<answer>Mayor Ada Vale</answer>"), "mayor ada vale") == 1.0
-    slip = reward(answering("<answer>mayor ada vole</answer>"), "mayor ada vale")
-    guess = reward(answering("<answer>the river</answer>"), "mayor ada vale")
-    assert corpus_search.NEAR_CREDIT > slip > guess
-    assert reward(answering("mayor ada vale"), "mayor ada vale") == 0.0  # untagged
+    info = {"title": "Ambrook (north)"}
+    assert reward(answering("<answer>Mayor Ada Vale</answer>"), "mayor ada vale", info) == 1.0
+    slip = reward(answering("<answer>mayor ada vole</answer>"), "mayor ada vale", info)
+    assert corpus_search.NEAR_CREDIT > slip > corpus_search.NEAR_CREDIT * corpus_search.READ_SHARE
+    # A short string that shares letters with the fact earned ~0.14 and RL learnt to answer it
+    assert reward(answering("<answer>oan</answer>"), "good", info) == 0.0
+    read_right = reward(answering("<answer>oan</answer>", "Ambrook (north) "), "good", info)
+    read_wrong = reward(answering("<answer>oan</answer>", "Ambrook (south)"), "good", info)
+    assert (read_right, read_wrong) == (corpus_search.NEAR_CREDIT * corpus_search.READ_SHARE, 0.0)
+    assert reward(answering("mayor ada vale"), "mayor ada vale", info) == 0.0  # untagged
     assert corpus_search.exact_fact(answering("<answer>mayor ada vole</answer>"), "x") == 0.0
 
 
