@@ -80,13 +80,11 @@ def _chat_tokenizer(config: PrimeflowConfig, *, local_only: bool) -> ChatTokeniz
     `local_only`: a hub model only from the local cache, never a lookup (on a machine that
     cannot reach the hub, the lookup's retries took 46 s of a dry run). Imported here: torch and
     transformers cost every `primeflow` command ~2.5 s, and only the config commands need them."""
-    from transformers import AutoTokenizer
-
-    from engine.models.resolve import resolve_model
+    from engine.models.tokenizer import load_tokenizer
 
     try:
-        name = resolve_model(config.orchestrator.model or config.model.name)
-        return ChatTokenizer(AutoTokenizer.from_pretrained(name, local_files_only=local_only))
+        tokenizer = load_tokenizer(config.orchestrator.model, config.model, local_only=local_only)
+        return ChatTokenizer(tokenizer)
     except (OSError, ValueError):
         return None
 

@@ -14,15 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from engine.config import PrimeflowConfig
 from engine.config.orchestrator import EnvConfig, SamplingConfig
 from engine.envs import ChatTokenizer, MixEntry, TurnGenerator, load_environment
 from engine.inference.client import InferenceClient
 from engine.inference.pool import InferencePool
 from engine.inference.serving import PolicyServing
-from engine.models.resolve import resolve_model
+from engine.models.tokenizer import load_tokenizer
 from engine.orchestrator.evaluate import decoder, evaluate_envs, summary_document
 from engine.orchestrator.loop import Orchestrator
 from engine.orchestrator.online_eval import OnlineEval
@@ -33,16 +31,6 @@ from storage.metrics import write_metrics
 from storage.store import ObjectStore
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(config: PrimeflowConfig) -> Any:
-    """The policy's tokenizer: it renders every chat template the rollouts are made from."""
-    name = config.orchestrator.model or config.model.name
-    return AutoTokenizer.from_pretrained(
-        resolve_model(name),
-        revision=config.model.revision,
-        trust_remote_code=config.model.trust_remote_code,
-    )
 
 
 @contextlib.contextmanager
@@ -74,7 +62,7 @@ def run_orchestrator(
     """
     orchestrator_config = config.orchestrator
     entries = mix_entries(orchestrator_config.envs, orchestrator_config.sampling)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.orchestrator.model, config.model)
     store = store if store is not None else run_store(config)
     online_eval = None
     if config.eval.interval is not None:
@@ -124,7 +112,7 @@ def evaluate_policy(
     root `store`. Which step to take is `engine.stages.eval_step`'s decision."""
     eval_config = config.eval
     entries = mix_entries(eval_config.envs, eval_config.sampling)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.orchestrator.model, config.model)
     seq_len = config.orchestrator.seq_len
     if step != pool.policy_version:
         uri = stage_store(store, stage).url(RunLayout.checkpoint_dir(step))

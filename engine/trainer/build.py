@@ -16,13 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig
 
 from engine.config import PrimeflowConfig
+from engine.config.model import ModelConfig
 from engine.config.trainer import LoraConfig, OptimizerConfig, SchedulerConfig, TrainerConfig
 from engine.local_checkpoints import local_checkpoint
 from engine.models import resolve_model
 from engine.models.tiny import default_cache_dir
+from engine.models.tokenizer import load_tokenizer
 from engine.run import run_store as open_store
 from engine.run import stage_store
 from engine.trainer.batching import micro_batches, rank_share, rows_per_micro_batch
@@ -54,24 +56,17 @@ FIRST_STEP = 1
 log = logging.getLogger("primeflow.trainer")
 
 
-def load_tokenizer(name: str, revision: str | None) -> PreTrainedTokenizerBase | None:
-    try:
-        return AutoTokenizer.from_pretrained(resolve_model(name), revision=revision)
-    except (OSError, ValueError):
-        return None
-
-
-def model_assets(name: str, revision: str | None) -> dict[str, bytes]:
-    """Tokenizer and generation config files of the base model, shipped with every checkpoint."""
+def model_assets(name: str, model: ModelConfig) -> dict[str, bytes]:
+    """Tokenizer and generation config files of the base model `name` (the trainer's copy of
+    `model.name`), shipped with every checkpoint: those it has."""
     with tempfile.TemporaryDirectory(prefix="primeflow-assets-") as tmp:
         folder = Path(tmp)
-        tokenizer = load_tokenizer(name, revision)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(folder))
+        with contextlib.suppress(OSError, ValueError):
+            load_tokenizer(name, model).save_pretrained(str(folder))
         with contextlib.suppress(OSError):
             generation = GenerationConfig.from_pretrained(
                 resolve_model(name),
-                revision=revision or "main",  # transformers' default
+                revision=model.revision or "main",  # transformers' default
             )
             generation.save_pretrained(str(folder))
         return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}

@@ -9,7 +9,8 @@ import math
 from collections.abc import Sequence
 
 from engine.config import PrimeflowConfig
-from engine.trainer.build import Trainer, build_trainer, load_tokenizer, sft_start
+from engine.models.tokenizer import load_tokenizer
+from engine.trainer.build import Trainer, build_trainer, sft_start
 from engine.trainer.distributed import DistInfo
 from engine.trainer.loss import sft_loss
 from engine.trainer.packing import Sample
@@ -28,9 +29,7 @@ def sft_max_steps(config: PrimeflowConfig, data: SftDataset) -> int:
 def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -> None:
     """SFT: NLL on assistant tokens, seeded epochs, eval loss on the held-out split."""
     sft = config.sft
-    tokenizer = load_tokenizer(config.trainer.model, config.model.revision)
-    if tokenizer is None:
-        raise ValueError(f"SFT needs a tokenizer with a chat template: {config.trainer.model!r}")
+    tokenizer = load_tokenizer(config.trainer.model, config.model)
     data = load_sft_dataset(
         sft.data,
         tokenizer,

@@ -38,7 +38,7 @@ def in_process_group(config: PrimeflowConfig, run: RankMain, *, pin: bool = True
             torch.set_num_threads(len(cores))
     dist = init_distributed(config.trainer.parallel.backend)
     try:
-        run(config, dist, model_assets(config.trainer.model, config.model.revision))
+        run(config, dist, model_assets(config.trainer.model, config.model))
     finally:
         close_distributed()
 
