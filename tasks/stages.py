@@ -17,6 +17,7 @@ from prefect.client.schemas.objects import State, TaskRun
 from engine.config import PrimeflowConfig
 from engine.inference.on_demand import PoolOnDemand
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
+from engine.orchestrator.signal_watch import RewardCollapsedError
 from engine.results import EvalResult, StageResult
 from engine.run import Run
 from engine.stage_trainer import StageCancelledError, StageHungError
@@ -70,16 +71,17 @@ def _reported(config: PrimeflowConfig, stage: Stage, error: StageHungError) -> S
     return error
 
 
-def _not_cancelled(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
-    """Retry a stage that failed, not one that was stopped because its flow run was cancelled."""
-    return not isinstance(state.data, StageCancelledError)
+def _worth_retrying(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
+    """Retry a stage that failed, not one that was stopped because its flow run was cancelled,
+    nor one whose policy collapsed: its retry would resume the collapsed policy."""
+    return not isinstance(state.data, StageCancelledError | RewardCollapsedError)
 
 
 @task(
     name="sft-warmup",
     retries=1,
     retry_delay_seconds=5,
-    retry_condition_fn=_not_cancelled,
+    retry_condition_fn=_worth_retrying,
     cache_policy=NO_CACHE,
 )
 def sft_warmup(config: PrimeflowConfig, run: Run, sink: WandbSink | None = None) -> StageResult:
@@ -98,7 +100,7 @@ def sft_warmup(config: PrimeflowConfig, run: Run, sink: WandbSink | None = None)
     name="rl-loop",
     retries=1,
     retry_delay_seconds=5,
-    retry_condition_fn=_not_cancelled,
+    retry_condition_fn=_worth_retrying,
     cache_policy=NO_CACHE,
 )
 def rl_loop(

@@ -38,12 +38,12 @@ from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
-from engine.orchestrator.signal_watch import SignalWatch
+from engine.orchestrator.signal_watch import RESUME_WINDOW, SignalWatch
 from engine.orchestrator.skips import SkipWatch
 from engine.orchestrator.step_metrics import mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
-from storage.metrics import write_metrics
+from storage.metrics import recent_metrics, write_metrics
 from storage.policies import committed_version, discard_version
 from storage.shards import write_rollouts
 from storage.store import ObjectStore
@@ -158,6 +158,8 @@ class Orchestrator:
                 self.mix.next()
         drawn = sum(self.mix.counts)
         self._group_ids = itertools.count(drawn)  # group (and rollout) ids stay unique
+        lines = recent_metrics(self.store, METRICS_STAGE, RESUME_WINDOW)
+        self.signal.replay([line for line in lines if line["step"] <= last])
         logger.info("resuming after committed rollouts step %d (%d groups drawn)", last, drawn)
         return last + 1
 

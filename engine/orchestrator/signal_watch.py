@@ -7,7 +7,9 @@ on the GPU model at too high a learning rate, tool-math's calls degenerated with
 steps. `SignalWatch` fails the run once `max_steps` steps in a row had no signal while the
 reward is below the best step's, naming the steps, the reward then and now, and what to
 change. Steps without signal at the run's best reward (a solved task, or one that never paid
-anything) are logged, not failed: the run goes on as configured.
+anything) are logged, not failed: the run goes on as configured. A resumed run replays its
+last committed steps first (`RESUME_WINDOW`), so a run that collapsed fails again at its next
+step without signal instead of counting afresh from the collapsed reward.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 #: A reward this close to the best step's counts as at the best (float noise, not a fall).
 TOLERANCE = 1e-6
+#: Committed steps a resumed run replays: one object read each, so not the whole history.
+RESUME_WINDOW = 200
 
 
 class RewardCollapsedError(RuntimeError):
@@ -35,11 +40,20 @@ class SignalWatch:
     _best: float = -math.inf
     _best_step: int = 0
 
-    def record(self, step: int, zero_group_fraction: float, reward: float) -> None:
-        """Judge committed step `step`; raise `RewardCollapsedError` if the run collapsed."""
+    def replay(self, lines: list[dict[str, Any]]) -> None:
+        """Count the orchestrator's metric lines of steps committed before a resume."""
+        for line in lines:  # a line written before these metrics existed counts as a signal
+            zero, reward = line.get("advantage/zero_group_fraction", 0.0), line.get("reward/mean")
+            self._count(line["step"], zero, reward if reward is not None else -math.inf)
+
+    def _count(self, step: int, zero_group_fraction: float, reward: float) -> None:
         if reward > self._best:
             self._best, self._best_step = reward, step
         self._quiet = self._quiet + 1 if zero_group_fraction >= 1.0 else 0
+
+    def record(self, step: int, zero_group_fraction: float, reward: float) -> None:
+        """Judge committed step `step`; raise `RewardCollapsedError` if the run collapsed."""
+        self._count(step, zero_group_fraction, reward)
         if self.max_steps is None or self._quiet < self.max_steps:
             return
         first = step - self._quiet + 1

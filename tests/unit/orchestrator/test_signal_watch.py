@@ -52,3 +52,25 @@ def test_none_never_fails() -> None:
     watch.record(1, 0.0, 0.9)
     for step in range(2, 100):
         watch.record(step, 1.0, 0.0)
+
+
+def test_a_resumed_run_that_had_collapsed_fails_at_its_next_step_without_signal() -> None:
+    committed = [
+        {"step": 1, "advantage/zero_group_fraction": 0.0, "reward/mean": 0.26},
+        *({"step": s, "advantage/zero_group_fraction": 1.0, "reward/mean": 0.0} for s in (2, 3)),
+    ]
+    watch = SignalWatch(max_steps=3)
+    watch.replay(committed)  # replaying never raises: those steps are done
+    with pytest.raises(RewardCollapsedError, match=r"\(2-4\).*against 0\.260 at step 1"):
+        watch.record(4, 1.0, 0.0)
+
+
+def test_a_collapsed_stage_is_not_retried_a_failed_one_is() -> None:
+    from prefect.states import Failed
+
+    from tasks.stages import _worth_retrying, rl_loop
+
+    collapsed = Failed(data=RewardCollapsedError("no learning signal for 20 steps"))
+    crashed = Failed(data=RuntimeError("trainer exited with 1"))
+    assert not _worth_retrying(rl_loop, None, collapsed)  # type: ignore[arg-type]
+    assert _worth_retrying(rl_loop, None, crashed)  # type: ignore[arg-type]
