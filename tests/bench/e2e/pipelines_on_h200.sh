@@ -3,7 +3,8 @@
 # one MPS server, against one Prefect server, each with the memory settings lowered so that the
 # pools fit beside each other (a run's wall time, beside the others, bounds its time alone). Each
 # run's log is WORK/NAME.log; its printed table and wall time end up in WORK/pipelines.txt, its
-# evaluations' summaries and first answers in WORK/NAME-samples.json (`eval_samples`). Run
+# evaluations' summaries and first answers in WORK/NAME-samples.json (`eval_samples`), its RL
+# steps' health and training rollouts in WORK/NAME-steps.txt (`step_health`). Run
 # it through across_calls.sh (call again until it prints `ended`), e.g. the agentic examples:
 #   bash tests/bench/e2e/across_calls.sh /tmp/a bash tests/bench/e2e/pipelines_on_h200.sh /tmp/a \
 #     tool-math "@ configs/agentic/tool_math.toml @ configs/agentic/on_gpu.toml" \
@@ -31,6 +32,8 @@ while [ $# -ge 2 ]; do
     } >> "$WORK/pipelines.txt"
     # What the policies answered, beside their rewards (across_calls.sh brings WORK/*.json back)
     python3 -m tests.bench.e2e.eval_samples "$WORK/runs/$name" "$WORK/$name-samples.json"
+    # Its health step by step and what it wrote in training (where a collapse starts)
+    python3 -m tests.bench.e2e.step_health "$WORK/runs/$name" "$WORK/$name-steps.txt"
   ) &
   sleep 30 # the servers start one after another, so each sizes its memory alone
 done
