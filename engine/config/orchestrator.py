@@ -170,9 +170,9 @@ class OrchestratorConfig(BaseConfig):
         Field(
             ge=1,
             description="Fail the run after this many steps in a row whose every group scored "
-            "alike (no advantage, no update) at a reward below the run's best step: the policy "
-            "collapsed. At the best reward (solved, or never paid) such steps are only logged. "
-            "None: never fail.",
+            "alike (no advantage, no update) at a reward fallen well below the run's best step: "
+            "the policy collapsed. Near the best reward (solved, one answer per prompt, never "
+            "paid) such steps are only logged. None: never fail.",
         ),
     ] = 20
 

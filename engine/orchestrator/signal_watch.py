@@ -5,9 +5,10 @@ update (a zero gradient), and the step only costs time. That is how a collapsed 
 on the GPU model at too high a learning rate, tool-math's calls degenerated within 16 steps
 (reward 0.26 to 0.000, every rollout unparsable) and the run then sampled and skipped 84 more
 steps. `SignalWatch` fails the run once `max_steps` steps in a row had no signal while the
-reward is below the best step's, naming the steps, the reward then and now, and what to
-change. Steps without signal at the run's best reward (a solved task, or one that never paid
-anything) are logged, not failed: the run goes on as configured. A resumed run replays its
+reward has fallen well below the best step's (`fell`), naming the steps, the reward then and
+now, and what to change. Steps without signal near the run's best reward (a solved task, a
+policy that samples one answer per prompt, a task that never paid anything) are logged, not
+failed: the run goes on as configured. A resumed run replays its
 last committed steps first (`RESUME_WINDOW`), so a run that collapsed fails again at its next
 step without signal instead of counting afresh from the collapsed reward.
 """
@@ -21,14 +22,21 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: A reward this close to the best step's counts as at the best (float noise, not a fall).
-TOLERANCE = 1e-6
+#: A fall from the best step's reward that counts as a collapse: this share of the best, and
+#: at least `FALL_MIN` (a converged policy's batches differ by their prompts, not by this).
+FALL_SHARE = 0.25
+FALL_MIN = 0.05
 #: Committed steps a resumed run replays: one object read each, so not the whole history.
 RESUME_WINDOW = 200
 
 
 class RewardCollapsedError(RuntimeError):
-    """Steps in a row without any advantage, at a reward below the run's best: nothing trains."""
+    """Steps in a row without any advantage, far below the run's best reward: nothing trains."""
+
+
+def fell(reward: float, best: float) -> bool:
+    """Whether `reward` is a collapse from `best`, not a batch of harder prompts."""
+    return reward < best - max(FALL_MIN, FALL_SHARE * abs(best))
 
 
 @dataclass
@@ -57,7 +65,7 @@ class SignalWatch:
         if self.max_steps is None or self._quiet < self.max_steps:
             return
         first = step - self._quiet + 1
-        if reward < self._best - TOLERANCE:
+        if fell(reward, self._best):
             raise RewardCollapsedError(
                 f"no learning signal for {self._quiet} steps ({first}-{step}): every group's "
                 f"rollouts scored alike, reward {reward:.3f} against {self._best:.3f} at step "
@@ -68,9 +76,11 @@ class SignalWatch:
         if self._quiet % self.max_steps == 0:
             logger.warning(
                 "no learning signal for %d steps (%d-%d): every group's rollouts scored alike "
-                "at reward %.3f, the run's best; the trainer skips these updates",
+                "at reward %.3f (the run's best: %.3f): a solved task, or a policy that samples "
+                "one answer per prompt; the trainer skips these updates",
                 self._quiet,
                 first,
                 step,
                 reward,
+                self._best,
             )
