@@ -38,6 +38,7 @@ from engine.trainer.build import (
     Trainer,
     load_start_adapter,
     policy_context,
+    rl_plan,
     trainer_on,
 )
 from engine.trainer.distributed import DistInfo, from_main
@@ -207,15 +208,7 @@ class SharedTrainer:
         config = PrimeflowConfig.model_validate_json(config_json)
         trainer_config = config.trainer
         self._hold(None)
-        trainer = trainer_on(
-            self.ctx,
-            config,
-            "rl",
-            self.assets,
-            trainer_config.optim,
-            trainer_config.scheduler,
-            trainer_config.max_steps,
-        )
+        trainer = trainer_on(self.ctx, config, "rl", self.assets, rl_plan(config.trainer))
         load_start_adapter(self.ctx.policy, config, rl_start(config, trainer.run_store))
         first, _ = trainer.resume()
         tenant = Tenant(

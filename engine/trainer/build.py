@@ -72,11 +72,30 @@ def model_assets(name: str, model: ModelConfig) -> dict[str, bytes]:
         return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """How a stage trains, beside its model: its optimizer and schedule, its steps and how
+    often it commits a resume checkpoint. SFT and RL each state their own (`sft.py`,
+    `rl_plan`), so the trainer never asks which stage it runs."""
+
+    optim: OptimizerConfig
+    scheduler: SchedulerConfig
+    max_steps: int
+    checkpoint_interval: int
+
+
+def rl_plan(config: TrainerConfig) -> StagePlan:
+    """RL's plan: the trainer section's optimizer, schedule, steps and checkpoint interval."""
+    return StagePlan(config.optim, config.scheduler, config.max_steps, config.checkpoint.interval)
+
+
 @dataclass
 class Trainer:
-    """Model, optimizer and schedule of one stage on one rank."""
+    """Model, optimizer and schedule of one stage on one rank; `config` is the trainer
+    section (sequence length, micro-batches, checkpoints, loss), `plan` the stage's own."""
 
-    config: PrimeflowConfig
+    config: TrainerConfig
+    plan: StagePlan
     stage: Stage
     dist: DistInfo
     store: ObjectStore
@@ -85,23 +104,24 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     run_store: ObjectStore
     assets: dict[str, bytes]
-    max_steps: int
     checkpoints: CheckpointWriter
 
     @property
     def seq_len(self) -> int:
-        return self.config.trainer.seq_len
+        return self.config.seq_len
+
+    @property
+    def max_steps(self) -> int:
+        return self.plan.max_steps
 
     def pack(self, samples: Sequence[Sample]) -> tuple[list[PackedRows], int]:
         """This rank's micro-batches of `samples` and the step's loss tokens over all ranks."""
         rows = pack_samples(samples, self.seq_len)
-        per_micro = rows_per_micro_batch(self.config.trainer.micro_batch_tokens, self.seq_len)
+        per_micro = rows_per_micro_batch(self.config.micro_batch_tokens, self.seq_len)
         share = rank_share(rows, self.dist.rank, self.dist.world_size, per_micro)
         return micro_batches(share, per_micro), int(rows.loss_mask.sum())
 
-    def step(
-        self, samples: Sequence[Sample], loss_fn: LossFn, optim: OptimizerConfig
-    ) -> dict[str, float]:
+    def step(self, samples: Sequence[Sample], loss_fn: LossFn) -> dict[str, float]:
         batches, loss_tokens = self.pack(samples)
         return train_step(
             self.ctx,
@@ -110,7 +130,7 @@ class Trainer:
             batches,
             loss_fn,
             loss_tokens,
-            optim.max_grad_norm,
+            self.plan.optim.max_grad_norm,
         )
 
     def finish_step(self, step: int, metrics: dict[str, Any], progress: dict[str, Any]) -> None:
@@ -126,11 +146,7 @@ class Trainer:
         self.log_metrics(step, metrics)
 
     def should_checkpoint(self, step: int) -> bool:
-        if self.stage == "sft":
-            interval = self.config.sft.checkpoint_interval
-        else:
-            interval = self.config.trainer.checkpoint.interval
-        return step % interval == 0 or step == self.max_steps
+        return step % self.plan.checkpoint_interval == 0 or step == self.max_steps
 
     def resume(self) -> tuple[int, dict[str, Any]]:
         """(first step to run, data position) from the newest intact committed checkpoint.
@@ -286,18 +302,17 @@ def trainer_on(
     config: PrimeflowConfig,
     stage: Stage,
     assets: dict[str, bytes],
-    optim: OptimizerConfig,
-    scheduler_config: SchedulerConfig,
-    max_steps: int,
+    plan: StagePlan,
 ) -> Trainer:
     """A stage's optimizer, schedule, stores and checkpoint writer around the model of `ctx`
     (one model, one trainer; or a shared model and one trainer per tenant)."""
-    optimizer = build_optimizer(ctx.policy, optim, ctx.dist.device)
-    scheduler = build_scheduler(optimizer, scheduler_config, max_steps)
+    optimizer = build_optimizer(ctx.policy, plan.optim, ctx.dist.device)
+    scheduler = build_scheduler(optimizer, plan.scheduler, plan.max_steps)
     run_store = open_store(config)
     store = stage_store(run_store, stage)
     return Trainer(
-        config=config,
+        config=config.trainer,
+        plan=plan,
         stage=stage,
         dist=ctx.dist,
         store=store,
@@ -306,7 +321,6 @@ def trainer_on(
         optimizer=optimizer,
         scheduler=scheduler,
         assets=assets,
-        max_steps=max_steps,
         checkpoints=CheckpointWriter(
             store,
             ctx.policy,
@@ -324,11 +338,10 @@ def build_trainer(
     stage: Stage,
     dist: DistInfo,
     assets: dict[str, bytes],
-    optim: OptimizerConfig,
-    scheduler_config: SchedulerConfig,
-    max_steps: int,
+    plan: StagePlan,
     start: StageStart,
 ) -> Trainer:
-    """Load, shard and wrap the model (as `start` says) with its optimizer and schedule."""
+    """Load, shard and wrap the model (as `start` says) with the optimizer and schedule of
+    `plan`."""
     ctx = policy_context(config, dist, start)
-    return trainer_on(ctx, config, stage, assets, optim, scheduler_config, max_steps)
+    return trainer_on(ctx, config, stage, assets, plan)

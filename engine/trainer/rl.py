@@ -18,7 +18,7 @@ import pyarrow as pa
 from engine.config import PrimeflowConfig
 from engine.run import rl_start
 from engine.run import run_store as open_store
-from engine.trainer.build import StageStart, Trainer, build_trainer
+from engine.trainer.build import StageStart, Trainer, build_trainer, rl_plan
 from engine.trainer.distributed import DistInfo, agree_sums
 from engine.trainer.loss import LossFn, build_loss, loss_normalization, sequence_weights
 from engine.trainer.publish import AdapterPublisher, PolicyPublisher
@@ -41,10 +41,8 @@ def run_rl(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) ->
         "rl",
         dist,
         assets,
-        trainer_config.optim,
-        trainer_config.scheduler,
-        trainer_config.max_steps,
-        StageStart(rl_start(config, open_store(config)), config.trainer.lora),
+        rl_plan(trainer_config),
+        StageStart(rl_start(config, open_store(config)), trainer_config.lora),
     )
     loss_fn = build_loss(trainer_config.loss)
     first, _ = trainer.resume()
@@ -76,7 +74,7 @@ def await_rollouts(trainer: Trainer, publisher: PolicyPublisher, step: int) -> p
     exactly that version. The ranks poll in lockstep (one small all-reduce a poll), so they
     agree on when to repair, which is collective, and on when to go on.
     """
-    config = trainer.config.trainer
+    config = trainer.config
     deadline = time.monotonic() + config.rollout_timeout_s
     repair_every = max(1, round(REPAIR_CHECK_S / config.poll_interval_s))
     polls = 0
@@ -102,7 +100,7 @@ def train_rl_step(
 ) -> None:
     """Train on step `step`'s committed rollouts `table`, publish the policy, checkpoint when
     due, log the step's metrics."""
-    trainer_config = trainer.config.trainer
+    trainer_config = trainer.config
     samples = samples_from_rollouts(
         table,
         step=step,
@@ -113,7 +111,7 @@ def train_rl_step(
     if loss_normalization(trainer_config.loss) == "sequence":
         weights = sequence_weights([int(s.loss_mask[1:].sum()) for s in samples])
         samples = [replace(s, weight=w) for s, w in zip(samples, weights, strict=True)]
-    metrics = trainer.step(samples, loss_fn, trainer_config.optim)
+    metrics = trainer.step(samples, loss_fn)
     metrics.update(publisher.publish(step))
     versions = table.column("policy_version").to_pylist()
     metrics.update(
@@ -133,7 +131,7 @@ def start_publishing(trainer: Trainer, resumed_at: int) -> PolicyPublisher:
         trainer.ctx.policy,
         trainer.optimizer,
         trainer.dist,
-        config=trainer.config.trainer.policy,
+        config=trainer.config.policy,
         files=trainer.assets,
         lineage=resumed_at,
     )

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from engine.config import PrimeflowConfig
 from engine.models.tokenizer import load_tokenizer
-from engine.trainer.build import Trainer, build_trainer, sft_start
+from engine.trainer.build import StagePlan, Trainer, build_trainer, sft_start
 from engine.trainer.distributed import DistInfo
 from engine.trainer.loss import sft_loss
 from engine.trainer.packing import Sample
@@ -39,12 +39,13 @@ def run_sft(config: PrimeflowConfig, dist: DistInfo, assets: dict[str, bytes]) -
     )
     max_steps = sft_max_steps(config, data)
     start = sft_start(config)
-    trainer = build_trainer(config, "sft", dist, assets, sft.optim, sft.scheduler, max_steps, start)
+    plan = StagePlan(sft.optim, sft.scheduler, max_steps, sft.checkpoint_interval)
+    trainer = build_trainer(config, "sft", dist, assets, plan, start)
     first, progress = trainer.resume()
     position = int(progress.get("position", 0))
     try:
         for step in range(first, max_steps + 1):
-            metrics = trainer.step(data.batch(position, sft.batch_size), sft_loss, sft.optim)
+            metrics = trainer.step(data.batch(position, sft.batch_size), sft_loss)
             position += sft.batch_size
             metrics["epoch"] = position / len(data.train)
             if data.eval and (step % sft.eval_interval == 0 or step == max_steps):
