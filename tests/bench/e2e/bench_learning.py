@@ -9,7 +9,8 @@ versions after. What the arms committed is collected into one JSON (rewritten ev
 minute while they run, so a run cut short still reports) and a figure of held-out reward
 against step for every arm; the table printed last has, per arm, the held-out greedy and
 sampled reward at the start, at the end and at their best, the training reward, entropy, the
-share of groups without advantage, clipping and the step time.
+share of groups without advantage, clipping and the step time. Beside the JSON, each arm's
+health step by step and a few of its training rollouts (`OUT-NAME-steps.txt`, `step_health`).
 
     python -m tests.bench.e2e.bench_learning --config configs/reverse_text/gpu.toml \
         --sft-steps 100 --steps 300 --eval-interval 25 --parallel 6 \
@@ -50,6 +51,7 @@ from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from tests.bench.e2e.bench_async import save, train_sft
 from tests.bench.e2e.bench_tenants import mps_daemon
+from tests.bench.e2e.step_health import health_text
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "configs/reverse_text/pipeline.toml"
@@ -366,6 +368,9 @@ def run_grid(
         time.sleep(1.0)
     result = collect(arms, meta)
     report(result, out)
+    for name, config in arms.items():  # where a collapse starts shows in no mean over the run
+        steps = out.with_name(f"{out.stem}-{name}-steps.txt")
+        steps.write_text(health_text(run_store(config)))
     print(table(result))
     return result
 

@@ -68,6 +68,11 @@ def rollout_lines(store: ObjectStore, every: int, count: int) -> list[str]:
     return lines
 
 
+def health_text(store: ObjectStore, every: int = 20, rollouts: int = 4) -> str:
+    """The per-step lines, then the rollouts of every `every`-th step, as one text."""
+    return "\n".join([*step_lines(store), *rollout_lines(store, every, rollouts)]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.e2e.step_health")
     parser.add_argument("run", type=Path, help="a run's local folder (holds metrics/, rollouts/)")
@@ -76,8 +81,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts shown per step")
     args = parser.parse_args(argv)
     store = ObjectStore(f"file://{args.run.resolve()}")
-    text = "\n".join([*step_lines(store), *rollout_lines(store, args.every, args.rollouts)])
-    args.out.write_text(text + "\n")
+    text = health_text(store, args.every, args.rollouts)
+    args.out.write_text(text)
     return text
 
 
