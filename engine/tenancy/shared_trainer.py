@@ -206,7 +206,6 @@ class SharedTrainer:
 
     def _admit(self, name: str, attempt: str, config_json: str) -> None:
         config = PrimeflowConfig.model_validate_json(config_json)
-        trainer_config = config.trainer
         self._hold(None)
         trainer = trainer_on(self.ctx, config, "rl", self.assets, rl_plan(config.trainer))
         load_start_adapter(self.ctx.policy, config, rl_start(config, trainer.run_store))
@@ -216,7 +215,7 @@ class SharedTrainer:
             attempt=attempt,
             trainer=trainer,
             publisher=start_publishing(trainer, first - 1),
-            loss_fn=build_loss(trainer_config.loss),
+            loss_fn=build_loss(trainer.config.loss),
             next_step=first,
             admitted_at=time.time(),
             last_trained=next(self._order),
