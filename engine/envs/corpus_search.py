@@ -6,12 +6,14 @@ the town lies on, who its mayor is and what it is known for. A question names th
 asks one fact. `search(query)` ranks the pages by how many of the query's words they hold
 (a local inverted index) and returns the best titles; `read(title)` returns a page, by its
 exact title, so the model must search before it can read, then answer in `<answer>` tags.
-The reward is 1 for the exact fact; another answer earns up to `NEAR_CREDIT`: half of it for
-having read the town's page, or its character similarity to the fact where that is at least
-`NEAR_MIN` (a slip in copying), whichever is more (`exact_fact` is logged beside it). So a
-policy that reads the right page and copies badly still differs within its group, which
-all-or-nothing never gave RL on the models here (issue 31). An earlier credit paid any answer
-its similarity: RL on the 76M model learnt to skip the tools and answer a short string that
+The reward is 1 for the exact fact; another answer earns up to `NEAR_CREDIT`: its character
+similarity to the fact where that is at least `NEAR_MIN` (a slip in copying), or up to
+`READ_SHARE` of it for reading the town's page, whichever is more (`exact_fact` is logged beside
+it). The reading credit grows from 0 at a title `NEAR_MIN` alike to the page's to all of it at
+the exact title: the 76M model after SFT searches the right town and then reads a title it
+half-copied from the search's answer (`Norley (coast)` for `Norley (hills)`), so an exact-title
+credit left every group tied and RL with no signal (docs/benchmarks.md). An earlier credit
+paid any answer its similarity: RL learnt to skip the tools and answer a short string that
 shares a letter or two with most facts (`oan` for `good`: 0.14), a reward for no step of the
 task; under `NEAR_MIN` a guess earns nothing. The corpus is
 shared, the towns are split: eval asks about towns train never asks about. SFT rows
@@ -52,7 +54,8 @@ TOP_K = 3
 NEAR_CREDIT = 0.5
 #: The least character similarity to the fact that earns credit: a slip, not a guess.
 NEAR_MIN = 0.6
-#: What reading the page about the question's town earns, as a share of `NEAR_CREDIT`.
+#: What reading the page about the question's town by its exact title earns, as a share of
+#: `NEAR_CREDIT`; a near title earns part of it (`near_fact`).
 READ_SHARE = 0.5
 _WORD = re.compile(r"[a-z]+")
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
@@ -187,15 +190,22 @@ def exact_fact(completion: Any, answer: str, **_: Any) -> float:
 
 
 def near_fact(completion: Any, answer: str, info: dict[str, Any], **_: Any) -> float:
-    """1 for the exact fact, else `NEAR_CREDIT` × the larger of `READ_SHARE` (the town's page
-    was read) and the tagged answer's similarity to the fact, where at least `NEAR_MIN`."""
+    """1 for the exact fact, else `NEAR_CREDIT` × the larger of the tagged answer's similarity
+    to the fact (where at least `NEAR_MIN`) and `READ_SHARE` × how near the closest title read
+    comes to the town's page (`above_guess`)."""
     tagged, fact = _tagged(completion), answer.lower()
     if tagged == fact:
         return 1.0
     near = similarity(tagged, fact)
     titles = called_arguments(completion, "read", "title")
-    read_page = any(title.strip() == info["title"] for title in titles)  # as `read` takes them
-    return NEAR_CREDIT * max(near if near >= NEAR_MIN else 0.0, READ_SHARE * read_page)
+    # as `read` takes them: stripped, case kept
+    read_near = max((above_guess(similarity(t.strip(), info["title"])) for t in titles), default=0)
+    return NEAR_CREDIT * max(near if near >= NEAR_MIN else 0.0, READ_SHARE * read_near)
+
+
+def above_guess(alike: float) -> float:
+    """A similarity rescaled so that `NEAR_MIN` (what a guess reaches) is 0 and equal is 1."""
+    return max(0.0, (alike - NEAR_MIN) / (1 - NEAR_MIN))
 
 
 def sft_examples(

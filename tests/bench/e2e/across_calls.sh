@@ -3,7 +3,7 @@
 # call comes at once: the first call starts COMMAND in a session of its own (it outlives the
 # call) with its output in WORKDIR/run.log and its exit status in WORKDIR/rc when it ends; every
 # call, the first too, then waits up to $WAIT_S seconds (default 540) for it to end and copies
-# what it has so far into $OUT: WORKDIR's *.json, *.png and *.txt, run.log, and the last lines of every
+# what it has so far into $OUT: WORKDIR's *.json, *.png, *.txt and *.tgz, run.log, and the last lines of every
 # other log under WORKDIR (tails.log). Call it again (same WORKDIR, any COMMAND) until it prints
 # `ended rc=N`.
 #   bash tests/bench/e2e/across_calls.sh WORKDIR COMMAND [ARGS ...]
@@ -21,7 +21,7 @@ deadline=$(($(date +%s) + ${WAIT_S:-540}))
 while [ "$(date +%s)" -lt "$deadline" ] && [ ! -f "$WORK/rc" ]; do
   sleep 5
 done
-cp "$WORK"/*.json "$WORK"/*.png "$WORK"/*.txt "$OUT/" 2>/dev/null
+cp "$WORK"/*.json "$WORK"/*.png "$WORK"/*.txt "$WORK"/*.tgz "$OUT/" 2>/dev/null
 cp "$WORK/run.log" "$OUT/run.log"
 find "$WORK" -maxdepth 2 -name '*.log' ! -name run.log ! -path "$OUT/*" -size -64M \
   -exec sh -c 'for f; do echo "== $f"; tail -n 15 "$f"; done' sh {} + > "$OUT/tails.log" 2>/dev/null

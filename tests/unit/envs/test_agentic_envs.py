@@ -189,13 +189,13 @@ def test_a_tool_math_rollout_with_a_miscopied_operand_earns_partial_credit(
 
 
 def test_corpus_search_credits_reading_the_page_or_a_slip_in_copying_not_a_guess() -> None:
-    def answering(text: str, read: str | None = None) -> list[dict[str, Any]]:
-        calls = []
-        if read is not None:
-            arguments = json.dumps({"title": read})
-            calls = [{"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_0", "name": "read", "arguments": arguments}
-            ]}]  # fmt: skip
+    def answering(text: str, *reads: str) -> list[dict[str, Any]]:
+        calls = [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": f"call_{i}", "name": "read", "arguments": json.dumps({"title": title})}
+            ]}
+            for i, title in enumerate(reads)
+        ]  # fmt: skip
         return [*calls, {"role": "assistant", "content": text}]
 
     reward = corpus_search.near_fact
@@ -206,8 +206,13 @@ def test_corpus_search_credits_reading_the_page_or_a_slip_in_copying_not_a_guess
     # A short string that shares letters with the fact earned ~0.14 and RL learnt to answer it
     assert reward(answering("<answer>oan</answer>"), "good", info) == 0.0
     read_right = reward(answering("<answer>oan</answer>", "Ambrook (north) "), "good", info)
-    read_wrong = reward(answering("<answer>oan</answer>", "Ambrook (south)"), "good", info)
-    assert (read_right, read_wrong) == (corpus_search.NEAR_CREDIT * corpus_search.READ_SHARE, 0.0)
+    # The right town read with the region half-copied from the search's answer earns a part
+    read_near = reward(answering("<answer>oan</answer>", "Ambrook (south)"), "good", info)
+    read_other = reward(answering("<answer>oan</answer>", "Belford (south)"), "good", info)
+    assert read_right == corpus_search.NEAR_CREDIT * corpus_search.READ_SHARE
+    assert read_right > read_near > read_other == 0.0
+    best_of_two = answering("<answer>oan</answer>", "Belford (south)", "Ambrook (nort)")
+    assert read_right > reward(best_of_two, "good", info) > read_near
     assert reward(answering("mayor ada vale"), "mayor ada vale", info) == 0.0  # untagged
     assert corpus_search.exact_fact(answering("<answer>mayor ada vole</answer>"), "x") == 0.0
 
