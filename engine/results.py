@@ -58,19 +58,25 @@ class EvalResult:
         )
 
 
+#: Below this share of groups with an advantage, the summary says RL had little to learn from.
+LOW_SIGNAL = 0.1
+
+
 @dataclass(frozen=True)
 class RunReport:
     """Where `engine.report.write_run_report` put the run's report, the sampled reward's
     standard error per evaluation (the ± the summaries print), and the paired gain of each
     policy over the one before it: {"rl-sft": {"sampled": {"examples", "mean", "stderr"},
     "greedy": {...}}}. A gain is measured on the same prompts, so its standard error is the
-    honest noise of an improvement, far below what two separate ± would suggest."""
+    honest noise of an improvement, far below what two separate ± would suggest. `signal` is
+    how much RL had to learn from (`engine.report.run_report.rl_signal`; empty without RL)."""
 
     plot: str
     samples_md: str
     report: str
     stderr: dict[str, float] = field(default_factory=dict)
     gains: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    signal: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_report(cls, report: Mapping[str, Any]) -> RunReport:
@@ -86,6 +92,7 @@ class RunReport:
         return cls(
             plot=report["plot"], samples_md=report["samples_md"], report=report["report"],
             stderr=stderr, gains={pair: modes for pair, modes in gains.items() if modes},
+            signal=dict(report.get("rl_signal") or {}),
         )  # fmt: skip
 
     def gain_lines(self) -> list[str]:
@@ -97,6 +104,23 @@ class RunReport:
             prompts = max(int(d["examples"]) for d in modes.values())
             lines.append(f"{after} − {before}: {', '.join(parts)} (paired, {prompts} prompts)")
         return lines
+
+    def signal_line(self) -> str | None:
+        """'12 % of RL's groups had an advantage; 3 of 80 steps had none', and where almost
+        none had, why RL could not move the reward (a table of flat rewards does not say)."""
+        if not self.signal:
+            return None
+        share, steps = self.signal["groups_with_advantage"], int(self.signal["steps"])
+        line = (
+            f"{share:.0%} of RL's groups had an advantage; "
+            f"{int(self.signal['steps_without'])} of {steps} steps had none"
+        )
+        if share < LOW_SIGNAL:
+            line += (
+                ": each prompt's samples scored alike, so RL had next to nothing to learn "
+                "from (docs/training.md)"
+            )
+        return line
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ def _gains(results: PipelineResult) -> list[str]:
     ]
 
 
+def _signal(results: PipelineResult) -> list[str]:
+    line = results.report.signal_line() if results.report is not None else None
+    return ["  signal:   " + line] if line else []
+
+
 def render(results: PipelineResult, *, k: int, temperature: float, ui_url: str) -> str:
     """Plain text for a terminal: a small table, then stages, then locations."""
     rows = [("policy", f"reward (T={temperature:g}, avg@{k})", "greedy", "samples", "results")]
@@ -58,6 +63,7 @@ def render(results: PipelineResult, *, k: int, temperature: float, ui_url: str) 
         "",
         *("  " + line for line in table),
         *_gains(results),
+        *_signal(results),
         "",
         "  stages:   " + " · ".join(stages),
         f"  run root: {results.root}",

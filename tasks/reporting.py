@@ -325,6 +325,8 @@ def summary_markdown(config: PrimeflowConfig, results: PipelineResult) -> str:
             )
     if results.report is not None and (gains := results.report.gain_lines()):
         lines += ["", *(f"- {line}" for line in gains)]
+    if results.report is not None and (signal := results.report.signal_line()):
+        lines += ["", f"- {signal}"]
     lines += ["", "## Stages", ""]
     for stage in results.stages():
         lines.append(

@@ -18,7 +18,8 @@ and writes, under `<run>/report/`:
   (prompt, completion, reward), before and after;
 - `report.json`: per evaluation and mode (sampled, greedy) the number of examples and samples,
   the mean reward and its standard error, plus paired differences between consecutive
-  policies (same prompts, so the paired standard error is the honest noise of an improvement).
+  policies (same prompts, so the paired standard error is the honest noise of an improvement),
+  and how much RL had to learn from (`rl_signal`).
 
 Nothing here imports Prefect; the flow calls it and links the files.
 """
@@ -54,6 +55,7 @@ REPORT_JSON = "report.json"
 POLICY_ORDER = ("base", "sft", "rl")
 _USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+ZERO_GROUPS = "advantage/zero_group_fraction"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -329,7 +331,7 @@ def _draw_health(ax: Any, metrics: Mapping[str, Sequence[Mapping[str, Any]]]) ->
     shares.set_ylabel("share")
     shares.set_ylim(-0.02, 1.02)
     for stage, key, color in (
-        ("orchestrator", "advantage/zero_group_fraction", "tab:gray"),
+        ("orchestrator", ZERO_GROUPS, "tab:gray"),
         ("rl", "capped_fraction", "tab:olive"),
         ("rl", "clip_low_fraction", "tab:cyan"),
         ("rl", "clip_high_fraction", "tab:pink"),
@@ -427,6 +429,21 @@ def plot_png(
     return buffer.getvalue()
 
 
+def rl_signal(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | int] | None:
+    """How much RL had to learn from, over the orchestrator's committed steps: the share of
+    groups whose rollouts did not all score alike (only those carry an advantage) and the
+    steps where none did (their updates were skipped). None before any RL step. A run whose
+    policy never earns a reward shows 0 here and nowhere else but in its flat curves."""
+    shares = [line[ZERO_GROUPS] for line in lines if ZERO_GROUPS in line]
+    if not shares:
+        return None
+    return {
+        "steps": len(shares),
+        "groups_with_advantage": 1.0 - _mean(shares),
+        "steps_without": sum(share >= 1.0 for share in shares),
+    }
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -439,7 +456,8 @@ def write_run_report(
     Works on any run state: missing stages are simply left out. Returns
     `{"plot": uri, "samples_md": uri, "samples_json": uri, "report": uri,
       "evals": {name: {"step", "sampled": {examples, samples, mean, stderr}, "greedy": ...}},
-      "differences": {"sft-base": {"sampled": {examples, mean, stderr}, ...}, ...}}`.
+      "differences": {"sft-base": {"sampled": {examples, mean, stderr}, ...}, ...},
+      "rl_signal": {"steps", "groups_with_advantage", "steps_without"} or None}`.
     """
     stages = ("sft", "rl", "orchestrator", ONLINE_EVAL_STAGE)
     metrics = {stage: read_metrics(store, stage) for stage in stages}
@@ -459,6 +477,7 @@ def write_run_report(
             which: paired_difference(evals[after][1], evals[before][1], which)
             for which in ("sampled", "greedy")
         }
+    signal = rl_signal(metrics["orchestrator"])
     rows = sample_rows(evals, num_samples, mode)
     run_name = store.url().rstrip("/").rsplit("/", 1)[-1]
     png = plot_png(metrics, stats, sft_steps, title or f"primeflow run {run_name}")
@@ -468,7 +487,12 @@ def write_run_report(
         SAMPLES_JSON: (json.dumps(rows, indent=2) + "\n").encode(),
         REPORT_JSON: (
             json.dumps(
-                {"sft_steps": sft_steps, "evals": stats, "differences": differences},
+                {
+                    "sft_steps": sft_steps,
+                    "evals": stats,
+                    "differences": differences,
+                    "rl_signal": signal,
+                },
                 indent=2,
                 sort_keys=True,
             )
@@ -484,4 +508,5 @@ def write_run_report(
         "report": store.url(join(REPORT_DIR, REPORT_JSON)),
         "evals": stats,
         "differences": differences,
+        "rl_signal": signal,
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -176,6 +177,9 @@ def test_the_pipeline_completes_and_prints_the_summary(run: FinishedRun) -> None
     for policy in ("base", "sft", "rl"):
         assert f"\n  {policy} " in summary
     assert f"file://{run.root}" in summary
+    # How much RL had to learn from: the demo's similarity reward ties almost no group
+    signal = r"\n  signal:   \d+% of RL's groups had an advantage; \d+ of \d+ steps had none"
+    assert re.search(signal, summary), summary
 
 
 def test_every_rl_step_is_committed_once_with_valid_shards(run: FinishedRun) -> None:

@@ -33,6 +33,7 @@ def test_summary_lists_each_policy_stage_times_and_locations() -> None:
                         "greedy": {"examples": 200, "mean": -0.004, "stderr": 0.009},
                     },
                 },
+                "rl_signal": {"steps": 100, "groups_with_advantage": 0.4125, "steps_without": 3},
             }
         ),
     )
@@ -45,9 +46,21 @@ def test_summary_lists_each_policy_stage_times_and_locations() -> None:
     # The gain of RL over SFT on the same prompts; a pair with no common prompts has no line.
     gain = "gain:     rl − sft: +0.061 ± 0.010 sampled, -0.004 ± 0.009 greedy (paired, 200 prompts)"
     assert gain in text and "sft − base" not in text
+    assert "signal:   41% of RL's groups had an advantage; 3 of 100 steps had none\n" in text
     assert "plot:     file:///r/reward.png" in text
     assert "file:///runs/demo" in text and "http://127.0.0.1:4200/runs/flow-run/x" in text
     assert all(line == line.rstrip() for line in text.splitlines())
+
+
+def test_a_run_whose_groups_all_scored_alike_is_told_why_rl_did_not_move() -> None:
+    """corpus-search on the GPU model: every group tied at reward 0 for 80 steps, and the table
+    alone showed only flat rewards."""
+    report = {"plot": "p", "samples_md": "s", "report": "r"}
+    quiet = {"steps": 80, "groups_with_advantage": 0.004, "steps_without": 74}
+    line = RunReport.from_report({**report, "rl_signal": quiet}).signal_line()
+    assert line is not None and line.startswith("0% of RL's groups had an advantage; 74 of 80")
+    assert "scored alike, so RL had next to nothing to learn from" in line
+    assert RunReport.from_report({**report, "rl_signal": None}).signal_line() is None
 
 
 def test_an_evaluation_reads_its_headline_numbers_from_its_summary() -> None:

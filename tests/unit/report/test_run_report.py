@@ -90,6 +90,15 @@ def test_writes_plot_tables_and_statistics(store: ObjectStore) -> None:
     assert json.loads(store.read_bytes("report/report.json"))["sft_steps"] == 10
 
 
+def test_the_report_says_how_much_rl_had_to_learn_from(store: ObjectStore) -> None:
+    assert write_run_report(store)["rl_signal"] is None  # lines from before the metric existed
+    for step, zero in enumerate((0.5, 1.0, 1.0, 0.25), start=6):
+        write_metrics(store, "orchestrator", step, {"advantage/zero_group_fraction": zero})
+    signal = write_run_report(store)["rl_signal"]
+    assert signal == {"steps": 4, "groups_with_advantage": 0.3125, "steps_without": 2}
+    assert json.loads(store.read_bytes("report/report.json"))["rl_signal"] == signal
+
+
 def test_sample_tables_show_each_policy_on_the_same_prompts(store: ObjectStore) -> None:
     write_run_report(store, num_samples=2)
     rows = json.loads(store.read_bytes("report/samples.json"))
