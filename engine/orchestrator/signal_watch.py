@@ -76,11 +76,21 @@ class SignalWatch:
         if self._quiet % self.max_steps == 0:
             logger.warning(
                 "no learning signal for %d steps (%d-%d): every group's rollouts scored alike "
-                "at reward %.3f (the run's best: %.3f): a solved task, or a policy that samples "
-                "one answer per prompt; the trainer skips these updates",
+                "at reward %.3f (the run's best: %.3f): %s; the trainer skips these updates",
                 self._quiet,
                 first,
                 step,
                 reward,
                 self._best,
+                _why_alike(self._best),
             )
+
+
+def _why_alike(best: float) -> str:
+    """What ties every group near the run's best reward."""
+    if best <= 0:
+        return (
+            "the policy has never earned a reward on these prompts, so RL cannot start (more "
+            "or longer SFT, or a reward that credits part of the task)"
+        )
+    return "a solved task, or a policy that samples one answer per prompt"

@@ -47,6 +47,7 @@ def test_steps_without_signal_near_the_best_reward_are_logged_not_failed(
     assert len(lines) == 6  # each watch at steps 2 and 4
     assert lines[0].startswith("no learning signal for 2 steps (1-2)")
     assert "(the run's best: 1.000): a solved task" in lines[0]
+    assert "(the run's best: 0.000): the policy has never earned a reward" in lines[1]
 
 
 def test_none_never_fails() -> None:
