@@ -40,7 +40,7 @@ from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
 from engine.orchestrator.signal_watch import RESUME_WINDOW, SignalWatch
 from engine.orchestrator.skips import SkipWatch
-from engine.orchestrator.step_metrics import mix_shares, step_metrics
+from engine.orchestrator.step_metrics import ZERO_GROUP_FRACTION, mix_shares, step_metrics
 from storage.commit import latest_committed_step, read_commit
 from storage.layout import RunLayout
 from storage.metrics import recent_metrics, write_metrics
@@ -468,4 +468,4 @@ class Orchestrator:
             metrics["policy/oldest_version"],
         )
         # After the commit: the steps up to a collapse stay, for a look at what the policy did
-        self.signal.record(step, metrics["advantage/zero_group_fraction"], metrics["reward/mean"])
+        self.signal.record(step, metrics[ZERO_GROUP_FRACTION], metrics["reward/mean"])

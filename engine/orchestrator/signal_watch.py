@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.orchestrator.step_metrics import ZERO_GROUP_FRACTION
+
 logger = logging.getLogger(__name__)
 
 #: A fall from the best step's reward that counts as a collapse: this share of the best, and
@@ -51,7 +53,7 @@ class SignalWatch:
     def replay(self, lines: list[dict[str, Any]]) -> None:
         """Count the orchestrator's metric lines of steps committed before a resume."""
         for line in lines:  # a line written before these metrics existed counts as a signal
-            zero, reward = line.get("advantage/zero_group_fraction", 0.0), line.get("reward/mean")
+            zero, reward = line.get(ZERO_GROUP_FRACTION, 0.0), line.get("reward/mean")
             self._count(line["step"], zero, reward if reward is not None else -math.inf)
 
     def _count(self, step: int, zero_group_fraction: float, reward: float) -> None:

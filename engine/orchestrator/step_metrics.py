@@ -11,6 +11,9 @@ from engine.orchestrator.batch import StepBatch
 from engine.orchestrator.filters import ZERO_TOLERANCE
 from engine.orchestrator.samples import TrainSample
 
+#: The metric of the groups that teach nothing, which the signal watch and the run report read.
+ZERO_GROUP_FRACTION = "advantage/zero_group_fraction"
+
 
 def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values) if values else 0.0
@@ -38,7 +41,7 @@ def advantage_health(samples: Sequence[TrainSample]) -> dict[str, float]:
     tokens = [sample.sequence.sampled_tokens for sample in samples]
     signal = [n for n, s in zip(tokens, samples, strict=True) if abs(s.advantage) > ZERO_TOLERANCE]
     return {
-        "advantage/zero_group_fraction": _mean([float(z) for z in zero]),
+        ZERO_GROUP_FRACTION: _mean([float(z) for z in zero]),
         "advantage/nonzero_token_fraction": sum(signal) / sum(tokens) if sum(tokens) else 0.0,
         "advantage/group_reward_std": _mean([_std([s.reward for s in g]) for g in groups.values()]),
     }

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
+from engine.orchestrator.step_metrics import ZERO_GROUP_FRACTION
 from storage.commit import committed_steps
 from storage.evals import RESULTS
 from storage.layout import RunLayout
@@ -55,7 +56,6 @@ REPORT_JSON = "report.json"
 POLICY_ORDER = ("base", "sft", "rl")
 _USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL)
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
-ZERO_GROUPS = "advantage/zero_group_fraction"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -331,7 +331,7 @@ def _draw_health(ax: Any, metrics: Mapping[str, Sequence[Mapping[str, Any]]]) ->
     shares.set_ylabel("share")
     shares.set_ylim(-0.02, 1.02)
     for stage, key, color in (
-        ("orchestrator", ZERO_GROUPS, "tab:gray"),
+        ("orchestrator", ZERO_GROUP_FRACTION, "tab:gray"),
         ("rl", "capped_fraction", "tab:olive"),
         ("rl", "clip_low_fraction", "tab:cyan"),
         ("rl", "clip_high_fraction", "tab:pink"),
@@ -434,7 +434,7 @@ def rl_signal(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | int] | No
     groups whose rollouts did not all score alike (only those carry an advantage) and the
     steps where none did (their updates were skipped). None before any RL step. A run whose
     policy never earns a reward shows 0 here and nowhere else but in its flat curves."""
-    shares = [line[ZERO_GROUPS] for line in lines if ZERO_GROUPS in line]
+    shares = [line[ZERO_GROUP_FRACTION] for line in lines if ZERO_GROUP_FRACTION in line]
     if not shares:
         return None
     return {
