@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,28 +70,30 @@ async def measure(pool: InferencePool, args: argparse.Namespace, prompts: list[l
     return times, tokens
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench.inference.bench_group_requests")
-    parser.add_argument("--model", default=TINY_MODEL)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--cpu-cores", default="1", help="the server's cores (CPU), as the demo")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    model = resolve_model(args.model)
+def reverse_text_prompts(model: str, count: int) -> list[list[int]]:
+    """`count` reverse-text prompts as the model's chat template renders them, in token ids."""
     tokenizer = AutoTokenizer.from_pretrained(model)
-    texts, _ = reverse_text.make_splits(4 * args.prompts, 0, seed=0)
-    prompts = [
+    texts, _ = reverse_text.make_splits(count, 0, seed=0)
+    return [
         tokenizer.apply_chat_template(
             reverse_text.prompt_messages(text), add_generation_prompt=True, return_dict=False
         )
         for text in texts
     ]
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The one server's flags: the demo's tiny model on one core, or a model on one GPU."""
+    parser.add_argument("--model", default=TINY_MODEL)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cpu-cores", default="1", help="the server's cores (CPU), as the demo")
+
+
+@contextlib.contextmanager
+def serving(args: argparse.Namespace) -> Iterator[tuple[InferencePool, list[list[int]]]]:
+    """One server as `add_server_arguments` described it, and 4 × `args.prompts` prompts."""
+    model = resolve_model(args.model)
     config = InferenceConfig(
         model=model,
         device=args.device,
@@ -102,6 +105,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tempfile.TemporaryDirectory() as logs,
         InferencePool(config, log_dir=Path(logs)) as pool,
     ):
+        yield pool, reverse_text_prompts(model, 4 * args.prompts)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.inference.bench_group_requests")
+    add_server_arguments(parser)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    with serving(args) as (pool, prompts):
         times, rates = asyncio.run(measure(pool, args, prompts))
     result: dict[str, Any] = {"settings": vars(args)}
     for way in ("apart", "merged"):
