@@ -176,7 +176,7 @@ class InferenceClient:
         """`n` samples for one token-id prompt, in the order the server returned them."""
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
-        body = _request_body(list(prompt_ids), sampling, n)
+        body = request_body(list(prompt_ids), sampling, n)
         await self._slots.acquire(n)
         try:
             return await self._with_retries(body)
@@ -240,7 +240,9 @@ class InferenceClient:
         return _samples(body["prompt"], response.json(), version, lineage, endpoint.index)
 
 
-def _request_body(prompt_ids: list[int], sampling: SamplingConfig, n: int) -> dict[str, Any]:
+def request_body(prompt_ids: list[int], sampling: SamplingConfig, n: int) -> dict[str, Any]:
+    """The body of one generation request: what the client asks the server for, in one place
+    (tests/bench/inference/bench_logprob_strings.py measures it against what it leaves out)."""
     return {
         "prompt": prompt_ids,
         "n": n,

@@ -8,11 +8,11 @@ same request without `return_tokens_as_token_ids` and without log-probs at all.
 RL needs each sampled token's id and log-prob from the server. With `logprobs=0` vLLM's API
 server also builds, per token, its text and a one-entry `top_logprobs` dict; the client reads
 neither. One server on `--model` samples `--prompts` reverse-text prompts × 8 (one request per
-group, as the client sends them), T = 1, 64 tokens, three ways in alternating rounds: **decoded**
-(`logprobs=0`, the token strings decoded, as the client asked before), **ids** (the client's
-request: `return_tokens_as_token_ids` too, so no token is decoded for the log-probs) and **none**
-(no log-probs: what RL cannot do without, as the ceiling). Reported: sampled tokens/s of each
-(median over the rounds) and each over `decoded`, measured in the same run.
+group, the client's own request body), T = 1, 64 tokens, three ways in alternating rounds:
+**decoded** (`logprobs=0`, the token strings decoded, as the client asked before), **ids** (the
+client's request: `return_tokens_as_token_ids` too, so no token is decoded for the log-probs)
+and **none** (no log-probs: what RL cannot do without, as the ceiling). Reported: sampled
+tokens/s of each (median over the rounds) and each over `decoded`, measured in the same run.
 
 The file name does not match `test_*.py`, so test runs never collect it.
 """
@@ -28,19 +28,29 @@ from typing import Any
 
 import httpx
 
+from engine.config.orchestrator import SamplingConfig
+from engine.inference.client import request_body
 from engine.inference.endpoint import Endpoint
 from engine.inference.pool import InferencePool
 from tests.bench.e2e.bench_async import emit
 from tests.bench.inference.bench_group_requests import add_server_arguments, serving
 
 GROUP = 8
+SAMPLING = SamplingConfig(temperature=1.0, max_tokens=64)
 
-#: What each way adds to the request body.
-WAYS: dict[str, dict[str, Any]] = {
-    "decoded": {"logprobs": 0},
-    "ids": {"logprobs": 0, "return_tokens_as_token_ids": True},
-    "none": {},
-}
+
+def body(prompt: list[int], way: str) -> dict[str, Any]:
+    """The client's own request (`ids`), or it without the token ids in the log-probs
+    (`decoded`) or without log-probs (`none`)."""
+    request = request_body(prompt, SAMPLING, GROUP)
+    if way != "ids":
+        del request["return_tokens_as_token_ids"]
+    if way == "none":
+        del request["logprobs"]
+    return request
+
+
+WAYS = ("decoded", "ids", "none")
 
 
 async def one_step(
@@ -52,15 +62,7 @@ async def one_step(
         response = await client.post(
             f"{endpoint.base_url}/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
-            json={
-                "model": endpoint.model,
-                "prompt": prompt,
-                "n": GROUP,
-                "temperature": 1.0,
-                "max_tokens": 64,
-                "return_token_ids": True,
-                **WAYS[way],
-            },
+            json={"model": endpoint.model, **body(prompt, way)},
             timeout=600,
         )
         response.raise_for_status()
@@ -77,7 +79,7 @@ async def measure(
     async with httpx.AsyncClient() as client:
         await one_step(client, endpoint, pool.api_key, prompts[:per_step], "ids")  # warm-up
         for round_ in range(rounds):
-            order = list(WAYS) if round_ % 2 == 0 else list(reversed(WAYS))
+            order = WAYS if round_ % 2 == 0 else WAYS[::-1]
             for way in order:
                 start = (round_ % 4) * per_step
                 began = time.perf_counter()
