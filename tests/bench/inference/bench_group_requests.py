@@ -88,6 +88,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--cpu-cores", default="1", help="the server's cores (CPU), as the demo")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="a flag for `vllm serve`, repeatable (`inference.extra_args`), "
+        "e.g. --server-arg=--api-server-count=2",
+    )
 
 
 @contextlib.contextmanager
@@ -100,6 +107,7 @@ def serving(args: argparse.Namespace) -> Iterator[tuple[InferencePool, list[list
         dtype=args.dtype,
         cpu_cores=[args.cpu_cores] if args.device == "cpu" else [],
         gpu_ids=[0] if args.device == "cuda" else [],
+        extra_args=args.server_arg,
     )
     with (
         tempfile.TemporaryDirectory() as logs,

@@ -37,6 +37,7 @@ COMBINATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("agentic/corpus_search.toml",)),
     ("pipeline", ("agentic/wordle.toml",)),
     ("pipeline", ("agentic/tool_math.toml", "agentic/on_gpu.toml")),
+    ("pipeline", ("agentic/tool_math.toml", "agentic/on_gpu.toml", "agentic/tool_math_gpu.toml")),
     ("pipeline", ("agentic/corpus_search.toml", "agentic/on_gpu.toml")),
     ("pipeline", ("agentic/wordle.toml", "agentic/on_gpu.toml")),
     ("sft", ("multi_tenant/base.toml",)),
