@@ -157,6 +157,20 @@ class InferenceConfig(BaseConfig):
             )
         ),
     ] = False
+    api_servers: Annotated[
+        int,
+        Field(
+            ge=1,
+            description=(
+                "API-server processes in front of each server's engine (vLLM's "
+                "--api-server-count). RL asks for every sampled token's log-prob, and turning "
+                "those into Python objects and JSON in one API process halves a GPU server's "
+                "rate on a small model (docs/benchmarks.md, 'Log-probs on the GPU server'); "
+                "more processes share that work. Whole-weight serving only: a LoRA adapter "
+                "loads into the one API process its request reached."
+            ),
+        ),
+    ] = 1
     extra_args: Annotated[
         list[str], Field(description="Passed as they are to vLLM's api_server.")
     ] = []
@@ -164,6 +178,20 @@ class InferenceConfig(BaseConfig):
         LoraServingConfig | None,
         Field(description="Serve LoRA adapters (filled for a LoRA run); None: whole models."),
     ] = None
+
+    @model_validator(mode="after")
+    def _adapters_need_one_api_server(self) -> InferenceConfig:
+        self.check_api_servers()
+        return self
+
+    def check_api_servers(self) -> None:
+        """LoRA serving needs one API process: an adapter loads into the one its request
+        reached, and the others would answer that it does not exist."""
+        if self.lora is not None and self.api_servers > 1:
+            raise ValueError(
+                f"inference.api_servers = {self.api_servers} with LoRA serving: an adapter "
+                "loads into one API process only, so the others would not know it; use 1"
+            )
 
     @model_validator(mode="after")
     def _one_placement_per_server(self) -> InferenceConfig:

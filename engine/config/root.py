@@ -139,6 +139,12 @@ class PrimeflowConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _adapters_need_one_api_server(self) -> PrimeflowConfig:
+        """Checked again here: `inference.lora` may have been filled from `trainer.lora` above."""
+        self.inference.check_api_servers()
+        return self
+
+    @model_validator(mode="after")
     def _tenants_train_adapters(self) -> PrimeflowConfig:
         """Tenants share one base model in memory: only adapters can differ between them."""
         pools = self.pools

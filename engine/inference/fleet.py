@@ -193,6 +193,7 @@ class ServerFleet:
             tensor_parallel_size=tp,
             gpu_ids=tuple(gpus[index * tp : (index + 1) * tp]) if self.device == "cuda" else (),
             cpu_cores=config.cpu_cores[index] if config.cpu_cores else None,
+            api_servers=config.api_servers,
             extra_args=tuple(extra),
             lora=config.lora,
         )

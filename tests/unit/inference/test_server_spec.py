@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import PrimeflowConfig
 from engine.config.inference import InferenceConfig
 from engine.inference.pool import InferencePool
 from engine.inference.server import ServerSpec
@@ -112,3 +113,22 @@ def test_servers_share_a_gpu_only_where_their_devices_overlap() -> None:
     assert first.shares_gpu_with(spec(device="cuda", gpu_ids=(1, 2)))
     assert not first.shares_gpu_with(spec(device="cuda", gpu_ids=(2, 3)))
     assert not spec().shares_gpu_with(spec())  # CPU servers start together
+
+
+def test_api_servers_only_when_asked_and_never_beside_adapters() -> None:
+    assert "--api-server-count" not in spec().argv()  # one: vLLM's server module, as always
+    assert flag(spec(api_servers=4).argv(), "--api-server-count") == "4"
+    with pytest.raises(ValueError, match="api_servers = 2 with LoRA serving"):
+        InferenceConfig(model="m", api_servers=2, lora={"max_rank": 8})
+
+
+def test_a_lora_run_refuses_several_api_servers() -> None:
+    """`inference.lora` is filled from `trainer.lora` after the inference section is checked."""
+    with pytest.raises(ValueError, match="api_servers = 2 with LoRA serving"):
+        PrimeflowConfig.model_validate(
+            {
+                "model": {"name": "m"},
+                "trainer": {"lora": {"rank": 8}},
+                "inference": {"api_servers": 2},
+            }
+        )
