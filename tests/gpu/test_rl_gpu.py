@@ -4,7 +4,8 @@ Both pools share GPU 0 (`configs/qwen3_0_6b/one_gpu.toml`) and serve and train Q
 body built offline (`primeflow/qwen3-0.6b-body`: its 28 × 1024 shapes with the character
 vocabulary, random weights, no hub). Every reload is verified (`--inference.verify-reloads`): each
 server compares the parameters it serves with the committed policy version bit for bit, and a
-mismatch fails the run. Skipped without a GPU or without vLLM.
+mismatch fails the run. The async run's server has two API processes. Skipped without a GPU or
+without vLLM.
 
 On the H200 with vLLM 0.26 (../shared/gpu-vllm): about 4 minutes, most of it vLLM's start.
 """
@@ -83,7 +84,9 @@ def run_rl_on_one_gpu(tmp_path: Path, name: str, steps: int, *flags: str) -> Obj
 
 
 def test_async_rl_on_one_gpu_serves_exactly_what_it_commits(tmp_path: Path) -> None:
-    store = run_rl_on_one_gpu(tmp_path, "gpu-rl", STEPS)
+    # Two API processes in front of the engine (`inference.api_servers`): every verified reload
+    # must hold for requests whichever process took them (the CPU check: test_lifecycle.py).
+    store = run_rl_on_one_gpu(tmp_path, "gpu-rl", STEPS, "--inference.api-servers", "2")
     # Every RL step committed once, verified against its marker. A group launched within the
     # async bound may land in a later batch (issue 16), its oldest token at most
     # max_off_policy_steps (8) behind; never from a version the trainer had not made yet. Each
