@@ -68,6 +68,14 @@ def test_cpu_core_binding() -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in spec().env({})
 
 
+def test_a_cpu_server_runs_its_worker_in_the_engine_process_unless_told_otherwise() -> None:
+    assert spec().env({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert (
+        spec().env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    )
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in spec(device="cuda").env({})
+
+
 @pytest.mark.parametrize(
     ("host", "url"),
     [
