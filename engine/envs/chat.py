@@ -8,9 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from verifiers.utils.tool_utils import convert_func_to_tool_def
-
-from engine.envs.client import native_tool
+import verifiers as vf
 
 
 def single_turn_prompt(user: str, system_prompt: str) -> list[dict[str, str]]:
@@ -29,9 +27,25 @@ def sft_conversation(
     return row
 
 
+def native_tool(tool: vf.Tool) -> dict[str, Any]:
+    """A verifiers tool as the chat template's `tools` entry (OpenAI's function schema)."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": dict(tool.parameters),
+        },
+    }
+
+
 def tool_schemas(tools: list[Callable[..., Any]]) -> list[dict[str, Any]]:
     """The `tools` a chat template renders for these functions: what a `vf.ToolEnv` over them
     sends on every turn, so an SFT row's prompt is the rollouts' prompt to the character."""
+    # Imported here: it loads verifiers' whole message model (~3 s on the 2-core machine),
+    # which an SFT trainer building tool-free rows (reverse-text) would otherwise pay at start.
+    from verifiers.utils.tool_utils import convert_func_to_tool_def
+
     return [native_tool(convert_func_to_tool_def(tool)) for tool in tools]
 
 

@@ -20,11 +20,11 @@ import verifiers as vf
 
 from engine.config.orchestrator import SamplingConfig
 from engine.envs.base import Environment, Rollout, Split, Task
+from engine.envs.chat import native_tool
 from engine.envs.client import (
     SAMPLING_KEY,
     TURNS_KEY,
     SamplerClient,
-    native_tool,
     to_chat_message,
 )
 from engine.envs.reward_errors import reward_errors

@@ -19,6 +19,7 @@ from typing import Any, cast
 import verifiers as vf
 
 from engine.config.orchestrator import SamplingConfig
+from engine.envs.chat import native_tool
 from engine.envs.turns import PromptTooLongError, Turn, TurnGenerator
 
 #: State key holding the rollout's list of `Turn`s.
@@ -93,18 +94,6 @@ class _Native:
     turn: Turn
     model: str
     parse_tools: bool
-
-
-def native_tool(tool: vf.Tool) -> dict[str, Any]:
-    """A verifiers tool as the chat template's `tools` entry (OpenAI's function schema)."""
-    return {
-        "type": "function",
-        "function": {
-            "name": tool.name,
-            "description": tool.description,
-            "parameters": dict(tool.parameters),
-        },
-    }
 
 
 class SamplerClient(vf.Client):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -52,6 +54,21 @@ def test_reverse_text_sft_examples_are_gold_answers_on_the_train_split() -> None
         system, user, assistant = row["messages"]
         assert system == {"role": "system", "content": reverse_text.SYSTEM_PROMPT}
         assert reverse_text.reversed_similarity(assistant["content"], user["content"][::-1]) == 1
+
+
+def test_reverse_text_sft_rows_leave_verifiers_message_model_unloaded() -> None:
+    """The SFT trainer builds these rows at its start: verifiers' message model (~3 s to import
+    on the 2-core machine) is for the rollouts, not for rows without tools."""
+    code = (
+        "import sys\n"
+        "from engine.envs.reverse_text import sft_examples\n"
+        "assert sft_examples(4)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('verifiers.')))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "verifiers.legacy.types" not in loaded, loaded
 
 
 def test_alphabet_sort_rewards_each_turn_against_the_growing_sorted_list() -> None:
