@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from engine.config.model import TINY_MODEL
 from engine.models.char_tokenizer import (
@@ -90,6 +90,10 @@ def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     Norm scales start at 1; every other tensor is N(0, init_std²), drawn in sorted name order
     from one generator, so the result depends only on the spec.
     """
+    # Imported here: the model class pulls in transformers' Qwen3 modeling (~1.6 s on the
+    # 2-core machine), which every process that only names or finds a built model would pay.
+    from transformers import Qwen3ForCausalLM
+
     with torch.device("meta"):
         model = Qwen3ForCausalLM(qwen3_config(spec))
     shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}

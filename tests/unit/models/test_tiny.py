@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,21 @@ def test_other_names_pass_through_unchanged(tmp_path: Path) -> None:
     (mine / "config.json").write_text("{}")
     assert resolve_model(str(mine), cache_dir=tmp_path) == str(mine)
     assert not (tmp_path / "models").exists()
+
+
+def test_naming_a_built_model_loads_no_model_class(tmp_path: Path) -> None:
+    """Flow runs, the command line and the orchestrator resolve the name of a model built
+    already: transformers' Qwen3 modeling (~1.6 s to import on the 2-core machine) is for
+    building it, and for the processes that load it."""
+    resolve_model(TINY_MODEL, cache_dir=tmp_path)  # built here, in this process
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from engine.models import resolve_model\n"
+        f"print(resolve_model({TINY_MODEL!r}, cache_dir=Path({str(tmp_path)!r})))\n"
+        "print('transformers.models.qwen3.modeling_qwen3' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    assert Path(out[0]).parent == tmp_path / "models" and out[1] == "False", out
