@@ -126,8 +126,8 @@ class ServerSpec:
             # 2-core machine (29-30 s → 19-21 s), at the same sampling rate. On a GPU one worker
             # already runs inside the engine core.
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if self.device == "cpu" and self.cpu_cores:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+            if self.cpu_cores:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         if self.lora is not None:  # the load/unload routes exist only with this set
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         return env
