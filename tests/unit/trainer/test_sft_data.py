@@ -19,6 +19,7 @@ from engine.trainer.sft_data import (
     read_rows,
     to_messages,
     to_sample,
+    to_samples,
     tokenize_conversation,
 )
 
@@ -90,6 +91,29 @@ def test_a_template_that_rewrites_history_is_reported(tokenizer) -> None:
     )
     with pytest.raises(SftDataError, match="earlier tokens change"):
         tokenize_conversation(rewriting, CONVERSATION, "row 3")
+
+
+def test_rows_tokenised_in_batches_match_the_template_one_by_one(tokenizer) -> None:
+    """Batched rendering and encoding (chunks of 2 over 5 rows of different shapes) gives each
+    row the ids `apply_chat_template` gives it alone, and errors name the row's own index."""
+    batch = [
+        {"messages": CONVERSATION},
+        {"prompt": "p", "completion": "c"},
+        {"messages": [*CONVERSATION[:3], {"role": "user", "content": "thanks"}]},
+        {"prompt": [{"role": "user", "content": "x" * 40}], "completion": "y" * 40},
+        {"messages": CONVERSATION[1:3]},
+    ]
+    samples = to_samples(tokenizer, batch, "data", seq_len=4096, allow_truncation=False, chunk=2)
+    for row, sample in zip(batch, samples, strict=True):
+        messages = to_messages(row, "r")
+        assert sample.token_ids.tolist() == tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False
+        )
+        trained = tokenizer.decode(sample.token_ids[sample.loss_mask].tolist())
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert trained == "".join(f"{reply}<|im_end|>\n" for reply in replies)
+    with pytest.raises(SftDataError, match=r"^data row 3: 101 tokens exceed seq_len=100"):
+        to_samples(tokenizer, batch, "data", seq_len=100, allow_truncation=False, chunk=2)
 
 
 def rows(n: int) -> list[dict]:
