@@ -97,23 +97,27 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@contextlib.contextmanager
-def serving(args: argparse.Namespace) -> Iterator[tuple[InferencePool, list[list[int]]]]:
-    """One server as `add_server_arguments` described it, and 4 × `args.prompts` prompts."""
-    model = resolve_model(args.model)
-    config = InferenceConfig(
-        model=model,
+def server_config(args: argparse.Namespace) -> InferenceConfig:
+    """The one server `add_server_arguments` describes."""
+    return InferenceConfig(
+        model=resolve_model(args.model),
         device=args.device,
         dtype=args.dtype,
         cpu_cores=[args.cpu_cores] if args.device == "cpu" else [],
         gpu_ids=[0] if args.device == "cuda" else [],
         extra_args=args.server_arg,
     )
+
+
+@contextlib.contextmanager
+def serving(args: argparse.Namespace) -> Iterator[tuple[InferencePool, list[list[int]]]]:
+    """One server as `add_server_arguments` described it, and 4 × `args.prompts` prompts."""
+    config = server_config(args)
     with (
         tempfile.TemporaryDirectory() as logs,
         InferencePool(config, log_dir=Path(logs)) as pool,
     ):
-        yield pool, reverse_text_prompts(model, 4 * args.prompts)
+        yield pool, reverse_text_prompts(config.model, 4 * args.prompts)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
