@@ -20,9 +20,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from storage.commit import (
     MARKER,
@@ -52,6 +50,9 @@ from storage.tensor_files import (
     safetensors_pieces,
     ties_word_embeddings,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = "config.json"
 WEIGHTS_STEM = "model"

@@ -54,15 +54,6 @@ _BITS: dict[torch.dtype, torch.dtype] = {
 }
 
 
-def delta_file_name(rank: int, world: int) -> str:
-    """The delta file trainer rank `rank` of `world` writes into a version's folder."""
-    return f"delta-{rank:05d}-of-{world:05d}.safetensors"
-
-
-def is_delta_file(name: str) -> bool:
-    return name.startswith("delta-") and name.endswith(".safetensors")
-
-
 def _int_view(dtype: torch.dtype) -> torch.dtype:
     if dtype not in _BITS:
         raise ValueError(f"deltas support {sorted(map(str, _BITS))}, not {dtype}")

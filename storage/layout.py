@@ -61,6 +61,15 @@ def run_uri(storage_uri: str, run_name: str) -> str:
     return f"{storage_uri.rstrip('/')}/{validate_run_name(run_name)}"
 
 
+def delta_file_name(rank: int, world: int) -> str:
+    """The delta file trainer rank `rank` of `world` writes into a policy version's folder."""
+    return f"delta-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def is_delta_file(name: str) -> bool:
+    return name.startswith("delta-") and name.endswith(".safetensors")
+
+
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, got {type(step).__name__}")

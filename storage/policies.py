@@ -21,10 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from safetensors.torch import load as load_safetensors
+from typing import TYPE_CHECKING, Any
 
 from storage.commit import (
     FileDigest,
@@ -35,18 +32,18 @@ from storage.commit import (
     read_verified,
     write_hashed,
 )
-from storage.deltas import (
-    Delta,
-    apply_delta,
-    encode_delta_file,
-    is_delta_file,
-    read_delta_file,
-)
 from storage.errors import NotCommittedError
-from storage.layout import RunLayout
+from storage.layout import RunLayout, is_delta_file
 from storage.paths import join
 from storage.retention import steps_to_delete
 from storage.store import ObjectStore
+
+# Tensors (torch, `storage.deltas`) load where weights are read or written: a process that only
+# places versions in a chain (a flow run's) never imports torch for it.
+if TYPE_CHECKING:
+    import torch
+
+    from storage.deltas import Delta
 
 FULL = "full"
 DELTA = "delta"
@@ -183,6 +180,8 @@ def write_delta_file(
     store: ObjectStore, step_dir: str, name: str, delta: Delta
 ) -> dict[str, FileDigest]:
     """Write one delta file into `step_dir`, hashed as it streams; {name: digest}."""
+    from storage.deltas import encode_delta_file
+
     pieces = encode_delta_file(delta)
 
     def fill(out: HashingWriter) -> None:
@@ -197,6 +196,10 @@ def load_policy_weights(store: ObjectStore, step: int) -> dict[str, torch.Tensor
 
     For audits, tests and exports; servers keep their own copy and apply deltas to it.
     """
+    from safetensors.torch import load as load_safetensors
+
+    from storage.deltas import apply_delta, read_delta_file
+
     tensors: dict[str, torch.Tensor] = {}
     for version in chain(store, step):
         step_dir = RunLayout.policy_dir(version.step)

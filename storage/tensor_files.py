@@ -14,14 +14,18 @@ same data layout.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save
+# torch loads where tensors are handled, not on import: a flow run's process uses this
+# package's names and layout only, and torch costs it ~1.3 s on 2 cores.
+if TYPE_CHECKING:
+    import torch
 
 # safetensors' dtype names, in the order of its `Dtype` enum: a file lists (and lays out) its
 # tensors by descending dtype in this order, then by name. Dtypes this torch lacks are skipped.
@@ -45,11 +49,19 @@ _DTYPE_ORDER = (
     ("int64", "I64"),
     ("uint64", "U64"),
 )
-_DTYPES: dict[torch.dtype, tuple[int, str]] = {
-    getattr(torch, attr): (rank, name)
-    for rank, (attr, name) in enumerate(_DTYPE_ORDER)
-    if hasattr(torch, attr)
-}
+
+
+@functools.cache
+def _dtypes() -> dict[torch.dtype, tuple[int, str]]:
+    import torch
+
+    return {
+        getattr(torch, attr): (rank, name)
+        for rank, (attr, name) in enumerate(_DTYPE_ORDER)
+        if hasattr(torch, attr)
+    }
+
+
 # Pieces of one file: header length and header, then each tensor's bytes, in file order.
 Pieces = list[bytes | memoryview]
 
@@ -99,6 +111,8 @@ def prepare_tensors(
     `save_pretrained` does, and reported in the returned `{dropped: kept}` aliases; any other
     sharing is resolved by storing a copy, so that no name is ever lost.
     """
+    import torch
+
     prepared: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     views: dict[tuple[object, ...], str] = {}
@@ -144,6 +158,8 @@ def _plan(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[lis
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's own memory as bytes, without a copy (it is contiguous on the CPU)."""
+    import torch
+
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data.cast("B")
 
@@ -157,9 +173,12 @@ def safetensors_pieces(
     Tensors must not share memory (see `prepare_tensors`). A dtype this module does not know,
     or a big-endian machine, falls back to `save` (one piece).
     """
-    if sys.byteorder != "little" or any(t.dtype not in _DTYPES for t in tensors.values()):
+    dtypes = _dtypes()
+    if sys.byteorder != "little" or any(t.dtype not in dtypes for t in tensors.values()):
+        from safetensors.torch import save
+
         return [save(dict(tensors), metadata=dict(metadata) if metadata else None)]
-    names = sorted(tensors, key=lambda name: (-_DTYPES[tensors[name].dtype][0], name))
+    names = sorted(tensors, key=lambda name: (-dtypes[tensors[name].dtype][0], name))
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -169,7 +188,7 @@ def safetensors_pieces(
         tensor = tensors[name]
         data = _raw_bytes(tensor)
         header[name] = {
-            "dtype": _DTYPES[tensor.dtype][1],
+            "dtype": dtypes[tensor.dtype][1],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + data.nbytes],
         }
@@ -205,6 +224,8 @@ def encode_tensor_files(
 
 def load_tensor_files(folder: Path, stem: str) -> dict[str, torch.Tensor]:
     """Load the set written by `encode_tensor_files` (or by `save_pretrained`) from `folder`."""
+    from safetensors.torch import load_file
+
     index_path = folder / index_name(stem)
     if not index_path.is_file():
         return load_file(folder / f"{stem}.safetensors")

@@ -4,7 +4,8 @@ names and shapes, commit meta, delta entries, and the weights a chain of version
 Both the pool (to check a folder before any server is touched) and the vLLM worker extension
 (`engine.inference.reload_ext`, inside vLLM's worker processes) read folders through this
 module, so it obeys the extension's rule: it imports primeflow's storage formats
-(`storage.deltas`, `storage.commit`'s marker) and nothing else of primeflow's.
+(`storage.deltas`, `storage.commit`'s marker, `storage.layout`'s file names) and nothing else
+of primeflow's.
 """
 
 from __future__ import annotations
@@ -12,19 +13,22 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from storage.commit import MARKER
-from storage.deltas import (
-    Part,
-    apply_entries,
-    check_fits,
-    decode_delta,
-    is_delta_file,
-    read_delta_file,
-)
+from storage.layout import is_delta_file
+
+# Tensors (torch, `storage.deltas`) load where versions are applied, in vLLM's worker: the pool,
+# which only checks folders' names and shapes, never imports torch for it.
+if TYPE_CHECKING:
+    import torch
+
+    from storage.deltas import Part
+
+#: A version's changed entries, decoded: (part, positions in the whole tensor, differences).
+Decoded = list[tuple["Part", "torch.Tensor", "torch.Tensor"]]
 
 #: Tensor name → shape over a folder's weight files.
 Signature = dict[str, tuple[int, ...]]
@@ -53,8 +57,8 @@ def read_signature(folder: Path) -> Signature:
     """Tensor name → shape over all weight files; raises if any file is missing or truncated."""
     signature: Signature = {}
     for file in weight_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
+        try:  # shapes come from the header: numpy's reader needs no torch, bf16 files included
+            with safe_open(str(file), framework="numpy") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                     signature[name] = tuple(handle.get_slice(name).get_shape())
         except FileNotFoundError:
@@ -109,8 +113,6 @@ def keeps_mirror(meta: dict[str, object]) -> bool:
     return meta.get("uid") is not None and int(str(meta.get("full_every", 1))) > 1
 
 
-#: A version's changed entries, decoded: (part, positions in the whole tensor, differences).
-Decoded = list[tuple[Part, torch.Tensor, torch.Tensor]]
 #: Deltas of up to this many entries are decoded on the device they go to (16 bytes an entry
 #: of positions and differences there, 0.5 GiB at most); larger ones on the host, so that a
 #: big model's delta never needs GPU memory the server did not plan for.
@@ -120,6 +122,8 @@ DEVICE_DECODE_ENTRIES = 1 << 25
 def read_delta_folder(folder: Path, device: torch.device | str = "cpu") -> Decoded:
     """Every changed entry of a delta version's folder (one file per trainer rank), decoded on
     `device` (where they will be applied) unless a file is too large for it."""
+    from storage.deltas import decode_delta, read_delta_file
+
     files = sorted(f for f in folder.glob("*.safetensors") if is_delta_file(f.name))
     if not files:
         raise FileNotFoundError(f"delta version {folder} has no delta files")
@@ -132,6 +136,8 @@ def read_delta_folder(folder: Path, device: torch.device | str = "cpu") -> Decod
 
 def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:
     """The weights of the last of `folders`: a full version, then the deltas that follow it."""
+    from storage.deltas import apply_entries, check_fits
+
     if not folders or is_delta(commit_meta(folders[0])):
         raise ValueError("a chain of versions to rebuild starts with a full one")
     tensors = dict(iterate_weights(folders[0]))

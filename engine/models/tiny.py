@@ -16,10 +16,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
-from transformers import Qwen3Config
+from typing import TYPE_CHECKING
 
 from engine.config.model import TINY_MODEL
 from engine.models.char_tokenizer import (
@@ -30,10 +27,14 @@ from engine.models.char_tokenizer import (
     write_tokenizer,
 )
 
+# torch, safetensors and transformers load only where the model is built: a process that names
+# the offline model (a flow run's, the CLI's) finds its cached folder without them.
+if TYPE_CHECKING:
+    import torch
+    from transformers import Qwen3Config
+
 #: Bump when the factory's output changes for an unchanged spec, so stale caches are not reused.
 FACTORY_VERSION = 2  # 2: the chat template renders tools and tool calls
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class TinyModelSpec:
 
 def qwen3_config(spec: TinyModelSpec) -> Qwen3Config:
     """The `transformers` config of the tiny model, with the tokenizer's special token ids."""
+    from transformers import Qwen3Config
+
     vocab_size = len(SPECIAL_TOKENS) + len(CHARACTERS)
     return Qwen3Config(
         vocab_size=vocab_size,
@@ -92,6 +95,7 @@ def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """
     # Imported here: the model class pulls in transformers' Qwen3 modeling (~1.6 s on the
     # 2-core machine), which every process that only names or finds a built model would pay.
+    import torch
     from transformers import Qwen3ForCausalLM
 
     with torch.device("meta"):
@@ -104,12 +108,14 @@ def tiny_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
             tensor = torch.ones(shapes[name])
         else:
             tensor = torch.randn(shapes[name], generator=generator) * spec.init_std
-        weights[name] = tensor.to(_DTYPES[spec.dtype]).contiguous()
+        weights[name] = tensor.to(getattr(torch, spec.dtype)).contiguous()
     return weights
 
 
 def write_tiny_model(folder: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write the tiny model (weights, configs, tokenizer) into `folder` and return it."""
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True, exist_ok=True)
     config = qwen3_config(spec)
     config.to_json_file(str(folder / "config.json"))

@@ -51,10 +51,9 @@ from storage.commit import FileDigest, begin_step, commit_step, committed_steps
 from storage.deltas import (
     changed_entries,
     compress_entries,
-    delta_file_name,
     pack_entries,
 )
-from storage.layout import RunLayout
+from storage.layout import RunLayout, delta_file_name
 from storage.parts import gather_parts
 from storage.policies import (
     DELTA,

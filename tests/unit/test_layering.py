@@ -91,3 +91,15 @@ def verdicts(output: str) -> list[tuple[str, str]]:
     summary = output.split("--------------------------------------", 1)[1].split("Contracts:")[0]
     flat = " ".join(summary.split())
     return [(name.strip(), status) for name, status in re.findall(r"(.+?) (KEPT|BROKEN)", flat)]
+
+
+def test_a_flow_runs_process_imports_neither_torch_nor_transformers() -> None:
+    """A flow run's process (and `primeflow pipeline`) drives pools and reads storage's names
+    and headers; tensors live in the trainer and vLLM. Importing torch and transformers cost
+    each such process ~2 s of its ~5 s start on the 2-core machine."""
+    code = "import sys, flows.pipeline; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -26,8 +26,7 @@ from engine.config import PrimeflowConfig
 from engine.inference.pool import InferencePool
 from engine.run import logs_dir, run_store
 from storage.commit import delete_step, latest_committed_step, read_commit
-from storage.deltas import is_delta_file
-from storage.layout import RunLayout
+from storage.layout import RunLayout, is_delta_file
 from storage.metrics import read_metrics
 from storage.policies import DELTA, committed_version, is_published
 from storage.store import ObjectStore

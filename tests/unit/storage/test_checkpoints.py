@@ -274,11 +274,11 @@ def test_retention_never_deletes_the_newest_step() -> None:
 
 def _every_dtype() -> dict[str, torch.Tensor]:
     """One tensor of every dtype the streamed writer knows, plus scalars and empty shapes."""
-    from storage.tensor_files import _DTYPES
+    from storage.tensor_files import _dtypes
 
     generator = torch.Generator().manual_seed(3)
     tensors: dict[str, torch.Tensor] = {}
-    for number, dtype in enumerate(_DTYPES):
+    for number, dtype in enumerate(_dtypes()):
         values = torch.randn(3, 5, generator=generator) * 10
         if dtype.is_complex:
             tensors[f"w{number % 3}.{dtype}"] = torch.complex(values, values).to(dtype)
