@@ -196,19 +196,6 @@ def to_samples(
     return samples
 
 
-def to_sample(
-    tokenizer: PreTrainedTokenizerBase,
-    row: Mapping[str, Any],
-    where: str,
-    seq_len: int,
-    allow_truncation: bool,
-) -> Sample:
-    """One SFT row → a `Sample`."""
-    messages, tools, _ = _conversation(row, where)
-    ids, mask = tokenize_conversation(tokenizer, messages, where, tools)
-    return _sample(ids, mask, where, seq_len, allow_truncation)
-
-
 def _read_bytes(path: str) -> bytes:
     """A local file or an object-store URI (`s3://`, `gs://`, `memory://`, `file://`).
 

@@ -18,7 +18,6 @@ from engine.trainer.sft_data import (
     load_sft_dataset,
     read_rows,
     to_messages,
-    to_sample,
     to_samples,
     tokenize_conversation,
 )
@@ -59,7 +58,7 @@ def test_a_tool_row_renders_its_schemas_and_trains_the_calls_not_the_results(tok
         ],
         "tools": [schema],
     }
-    sample = to_sample(tokenizer, row, "row 0", seq_len=4096, allow_truncation=False)
+    (sample,) = to_samples(tokenizer, [row], "data", seq_len=4096, allow_truncation=False)
     ids, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
     prompt = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
     assert '"name": "calc"' in prompt and "<tool_response>\n2\n" in prompt
@@ -68,7 +67,7 @@ def test_a_tool_row_renders_its_schemas_and_trains_the_calls_not_the_results(tok
         "<answer>2</answer><|im_end|>\n"
     )
     with pytest.raises(SftDataError, match="row 1: `tools` must be a list"):
-        to_sample(tokenizer, {**row, "tools": "calc"}, "row 1", 4096, allow_truncation=False)
+        to_samples(tokenizer, [row, {**row, "tools": "calc"}], "data", 4096, allow_truncation=False)
 
 
 def test_prompt_completion_rows_become_a_user_and_an_assistant_turn() -> None:
