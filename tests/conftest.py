@@ -21,7 +21,7 @@ BY_MODULE = ("tests/integration/", "tests/e2e/")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         group = next((name for fixture, name in SERVER_GROUPS if fixture in fixtures), None)
@@ -30,3 +30,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             group = module
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+            if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
+                _suffix_group(item, group)
+
+
+def _suffix_group(item: pytest.Item, group: str) -> None:
+    """Write the group into the test's id, where xdist's scheduler reads it.
+
+    pytest 9.2 derives `nodeid` from a structured id, so the suffix xdist 3.8 writes to the
+    old `_nodeid` is lost and every test is scheduled alone (pytest-dev/pytest-xdist#1386):
+    a module's run would be built once per worker, a session server started on each."""
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
