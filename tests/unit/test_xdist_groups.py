@@ -1,4 +1,5 @@
-"""`make test PYTEST_ARGS="-n N --dist loadgroup"` keeps each integration module on one worker.
+"""`make test` (pytest-xdist workers, `--dist loadgroup`) keeps each integration module on one
+worker.
 
 Under pytest 9.2 with pytest-xdist 3.8 the group mark alone did nothing (pytest-dev/pytest-xdist
 #1386): the two tests of one module went to two workers, so a module's run (the e2e pipeline)
