@@ -1,12 +1,11 @@
 """Plumbing every test folder shares: which tests must share a pytest-xdist worker.
 
 `make test` runs on `TEST_WORKERS` pytest-xdist workers (2; 0 runs serially) with `--dist
-loadgroup`. A session server (vLLM, Prefect) starts once per
-worker that needs it, so every test using one is put in that server's group and runs on one
-worker: each server still starts once per run, and the other workers take the tests that need
-none. The other integration and end-to-end tests are grouped by module, so a module-scoped
-fixture (a run, a server of the module's own) is built once; unit tests go to whichever worker
-is free.
+loadgroup`. A session server (vLLM, Prefect) starts once per worker that needs it, so every
+test using one is put in that server's group and runs on one worker: each server still starts
+once per run, and the other workers take the tests that need none. The other integration and
+end-to-end tests are grouped by module, so a module-scoped fixture (a run, a server of the
+module's own) is built once; unit tests go to whichever worker is free.
 """
 
 from __future__ import annotations
