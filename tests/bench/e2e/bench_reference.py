@@ -16,8 +16,9 @@ The headline is the issue's test: the reference's held-out greedy reward at its 
 the first step and time at which primeflow's curve reaches G; and those over the reference's
 (issue 30's targets: ≤ 1.0× the steps and ≤ 0.5× the time). The figure puts greedy and sampled
 reward against step (left) and against wall time (right) for both. `--arm NAME=FLAGS` adds
-primeflow arms (one after another, each alone on the pool, from the same SFT policy) to the
-one TRL run, each with its own curve and headline (`headlines`), e.g. the next comparison:
+primeflow arms (one after another, each alone on the pool, from the same SFT policy; an arm
+that changes `--inference.*` gets a pool of its own while it runs) to the one TRL run, each with
+its own curve and headline (`headlines`), e.g. the next comparison:
 
     python -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml \
         --sft-steps 100 --steps 150 --trl-python python3 \
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +186,17 @@ def run_arm(
     return evaluate_kept(config, pool, store, "held-out", kept, primeflow_clock(config))
 
 
+def pool_of(
+    arm: PrimeflowConfig, config: PrimeflowConfig, pool: InferencePool
+) -> AbstractContextManager[InferencePool]:
+    """The pool an arm samples from: the shared one, or, where the arm changes the inference
+    settings (more servers on the GPU, say), its own, up only while the arm runs. Without it an
+    arm's `--inference.*` flags would be silently ignored."""
+    if arm.inference == config.inference:
+        return nullcontext(pool)
+    return InferencePool.for_run(arm, local_run_dir(arm) / "logs")
+
+
 def reaching(curve: Sequence[dict[str, Any]], target: float) -> dict[str, Any] | None:
     """The first point of `curve` whose greedy reward reaches `target`."""
     return next((p for p in curve if p["greedy"] is not None and p["greedy"] >= target), None)
@@ -286,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     lines: dict[str, dict[str, list[dict]]] = {}  # every arm's metric lines, beside the result
     with InferencePool.for_run(config, local_run_dir(config) / "logs") as pool:
         for name, arm in arms.items():
-            result[name] = run_arm(arm, pool, sft, args)
+            with pool_of(arm, config, pool) as arm_pool:
+                result[name] = run_arm(arm, arm_pool, sft, args)
             store = run_store(arm)
             train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
             result.setdefault("timing", {})[name] = loop_timing(train, orch)
