@@ -6,11 +6,22 @@ test using one is put in that server's group and runs on one worker: each server
 once per run, and the other workers take the tests that need none. The other integration and
 end-to-end tests are grouped by module, so a module-scoped fixture (a run, a server of the
 module's own) is built once; unit tests go to whichever worker is free.
+
+Every process of the run (the workers, and the servers, trainers and flow runs they start)
+gets `OMP_WAIT_POLICY=PASSIVE` unless the caller set it: on the 2-core machine those processes
+share the cores, and libgomp's default is to spin at every barrier before sleeping, which burns
+the core another process was waiting for. It cut the suite's user CPU by ~2 minutes and its
+time by 0.8-0.9x (docs/benchmarks.md, "OpenMP threads that sleep"). It is set here, before any
+test imports torch, because libgomp reads it once, when it is loaded.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 #: The fixture that starts a session server → the group of the tests that use it (the first
 #: match wins: a test needing both servers joins the vLLM group, whose worker starts Prefect).
