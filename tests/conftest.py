@@ -10,8 +10,8 @@ module's own) is built once; unit tests go to whichever worker is free.
 Every process of the run (the workers, and the servers, trainers and flow runs they start)
 gets `OMP_WAIT_POLICY=PASSIVE` unless the caller set it: on the 2-core machine those processes
 share the cores, and libgomp's default is to spin at every barrier before sleeping, which burns
-the core another process was waiting for. It cut the suite's user CPU by ~2 minutes and its
-time by 0.8-0.9x (docs/benchmarks.md, "OpenMP threads that sleep"). It is set here, before any
+the core another process was waiting for. It cut the suite's user CPU by ~2 minutes and brought
+its time to 0.8-0.9x (docs/benchmarks.md, "OpenMP threads that sleep"). It is set here, before any
 test imports torch, because libgomp reads it once, when it is loaded.
 """
 
