@@ -16,6 +16,7 @@ from prefect.client.schemas.objects import State, TaskRun
 
 from engine.config import PrimeflowConfig
 from engine.inference.on_demand import PoolOnDemand
+from engine.orchestrator.filter_watch import FilteredOutError
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.orchestrator.signal_watch import RewardCollapsedError
 from engine.results import EvalResult, StageResult
@@ -73,8 +74,9 @@ def _reported(config: PrimeflowConfig, stage: Stage, error: StageHungError) -> S
 
 def _worth_retrying(task: Task[..., Any], task_run: TaskRun, state: State) -> bool:
     """Retry a stage that failed, not one that was stopped because its flow run was cancelled,
-    nor one whose policy collapsed: its retry would resume the collapsed policy."""
-    return not isinstance(state.data, StageCancelledError | RewardCollapsedError)
+    nor one whose policy collapsed or whose every group the filters drop: its retry would
+    resume the same policy and stop the same way."""
+    return not isinstance(state.data, StageCancelledError | RewardCollapsedError | FilteredOutError)
 
 
 @task(

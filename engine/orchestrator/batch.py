@@ -55,6 +55,11 @@ class BatchYield:
         return cls(batch.num_tokens / samples, samples / rollouts)
 
 
+#: What became of a group offered to a batch: some of its samples went in, it was too far behind
+#: the served policy, the filters dropped all of it, or it had no samples (every rollout skipped).
+Admission = Literal["admitted", "stale", "filtered", "empty"]
+
+
 class BatchBuilder:
     """Admits groups into batch `step` until it holds `batch_size` samples or tokens."""
 
@@ -100,9 +105,9 @@ class BatchBuilder:
             missing /= sizing.tokens_per_sample
         return math.ceil(missing / (last.samples_per_rollout if last is not None else 1.0))
 
-    def add(self, group: Group, served_version: int) -> bool:
+    def add(self, group: Group, served_version: int) -> Admission:
         """Admit the group if it is fresh, minus what the filters drop; count the rest under
-        the step. Returns whether any of its samples went in."""
+        the step."""
         counts = self.batch.counts
         counts["groups"] += 1
         counts["rollouts"] += group.rollouts
@@ -120,11 +125,12 @@ class BatchBuilder:
         if stale is not None:
             counts[stale] += len(group.samples)
             self.batch.stale_tokens[group.env] += tokens
-            return False
-        if group.samples:
-            self.batch.rewards.setdefault(group.env, []).extend(s.reward for s in group.samples)
-        kept, filtered = apply_filters([group.samples] if group.samples else [], self._filters)
+            return "stale"
+        if not group.samples:
+            return "empty"
+        self.batch.rewards.setdefault(group.env, []).extend(s.reward for s in group.samples)
+        kept, filtered = apply_filters([group.samples], self._filters)
         counts.update(filtered)
         for samples in kept:
             self.batch.samples.extend(samples)
-        return any(kept)
+        return "admitted" if kept else "filtered"

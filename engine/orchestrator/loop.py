@@ -35,6 +35,7 @@ from engine.inference.serving import PolicyServing
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version, newest_batch_for
 from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
+from engine.orchestrator.filter_watch import FilterWatch, groups_in_a_row_limit
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
@@ -99,6 +100,12 @@ class Orchestrator:
         self.advantage_fn = build_advantage_fn(config.advantage, config.sampling.max_tokens)
         self.filters = build_filters(config.filters)
         self.skips = SkipWatch()
+        groups_per_batch = (
+            config.batch_size / config.rollouts_per_example if config.batch_unit == "samples" else 1
+        )
+        self.filtered = FilterWatch(
+            [f.name for f in self.filters], groups_in_a_row_limit(groups_per_batch)
+        )
         self.signal = SignalWatch(config.max_steps_without_signal)
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
@@ -179,8 +186,13 @@ class Orchestrator:
             served = self.server.policy_version
             while self._pending and not builder.full:
                 index, group = self._pending.popleft()
-                if not builder.add(group, served):
+                admission = builder.add(group, served)
+                if admission == "admitted":
+                    self.filtered.admitted()
+                else:
                     self._landed[index] -= 1  # it will not train: draw its environment again
+                if admission == "filtered":
+                    self.filtered.dropped(group)  # filters that drop every group fail here
             if builder.full:
                 return builder.batch
             if may_sample_for(step, served, self.config.max_async_level):

@@ -22,6 +22,7 @@ from engine.config.orchestrator import EnvConfig
 from engine.envs import load_environment
 from engine.inference.pool import InferencePool
 from engine.orchestrator.async_bound import min_policy_version
+from engine.orchestrator.filter_watch import FilteredOutError
 from engine.orchestrator.main import run_orchestrator
 from engine.orchestrator.online_eval import ONLINE_EVAL_STAGE
 from engine.orchestrator.signal_watch import RewardCollapsedError
@@ -349,6 +350,29 @@ def test_an_environment_whose_every_prompt_is_too_long_fails_the_run_instead_of_
     assert "raise seq_len" in message and "\n" not in message
     skip_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped")]
     assert 1 <= len(skip_lines) <= 3, skip_lines  # counted lines, not one per rollout
+    assert committed_steps(run_store(config), RunLayout.ROLLOUTS) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_filter_that_drops_every_group_fails_the_run_instead_of_spinning(
+    pool: InferencePool, make_config: Callable[..., PrimeflowConfig]
+) -> None:
+    """The difficulty filter on a policy whose every sample scores alike drops every group, so
+    the first batch never fills: on the debug config the run drew 7,888 rollouts in 9.5 minutes
+    without a line or a step. It now fails once 64 groups in a row were dropped, in one line."""
+    config = make_config(
+        orchestrator={
+            "envs": [EnvConfig(id="tests.unit.envs.collapsing_env")],  # 0 after 4 rollouts
+            "filters": [{"type": "difficulty"}],
+            "sampling": {"temperature": 1.0, "max_tokens": 4},
+        },
+    )
+    with pytest.raises(FilteredOutError) as caught:
+        run_orchestrator(config, pool)
+    message = str(caught.value)
+    assert message.startswith("orchestrator.filters (difficulty) dropped the last 64 groups")
+    assert "(tests.unit.envs.collapsing_env: 64; their mean rewards all 0.000)" in message
+    assert "\n" not in message
     assert committed_steps(run_store(config), RunLayout.ROLLOUTS) == []
 
 

@@ -10,7 +10,7 @@ from engine.envs import Rollout, Turn
 from engine.orchestrator.advantages import group_relative
 from engine.orchestrator.batch import BatchBuilder, BatchYield
 from engine.orchestrator.filters import build_filters
-from engine.orchestrator.samples import build_group
+from engine.orchestrator.samples import Group, build_group
 from tests.unit.orchestrator.helpers import group
 
 
@@ -97,16 +97,18 @@ def test_batches_close_on_whole_groups_and_count_what_they_left_out() -> None:
         max_async_level=1,
         max_off_policy_steps=1,
     )
-    assert not builder.add(group(0, [1.0, 0.0, 0.0], version=0), served_version=2)  # 2 behind
-    assert not builder.add(group(1, [0.5, 0.5, 0.5], version=1), served_version=2)  # all equal
-    assert builder.add(group(2, [1.0, 0.0, 0.0], version=1), served_version=2)
+    behind = group(0, [1.0, 0.0, 0.0], version=0)
+    assert builder.add(behind, served_version=2) == "stale"  # 2 behind
+    assert builder.add(group(1, [0.5, 0.5, 0.5], version=1), served_version=2) == "filtered"
+    assert builder.add(group(2, [1.0, 0.0, 0.0], version=1), served_version=2) == "admitted"
     assert not builder.full
-    assert builder.add(group(3, [0.0, 1.0, 1.0], version=2), served_version=2)
+    assert builder.add(group(3, [0.0, 1.0, 1.0], version=2), served_version=2) == "admitted"
+    assert builder.add(Group("env", 4, []), served_version=2) == "empty"  # every rollout skipped
     assert builder.full and len(builder.batch.samples) == 6
     counts = builder.batch.counts
     assert counts["stale/off_policy"] == 3 and counts["stale/async_bound"] == 0
     assert counts["filter/difficulty/dropped_groups"] == 1
-    assert counts["groups"] == 4 and counts["skipped/env_error"] == 0
+    assert counts["groups"] == 5 and counts["skipped/env_error"] == 0
     # Of the 4 groups' 24 sampled tokens, the stale group's 6 were thrown away.
     assert builder.batch.sampled_tokens == {"env": 24} and builder.batch.stale_tokens == {"env": 6}
 
@@ -118,10 +120,10 @@ def test_a_group_is_stale_by_its_oldest_token_and_dropped_whole() -> None:
     late = group(0, [1.0, 0.0, 0.5])
     for member, version in zip(late.samples, (4, 1, 4), strict=True):
         member.sequence = dataclasses.replace(member.sequence, policy_version=version)
-    assert not builder.add(late, served_version=4)  # one rollout 3 behind: the group goes
+    assert builder.add(late, served_version=4) == "stale"  # one rollout 3 behind: the group goes
     assert builder.batch.samples == [] and builder.batch.counts["stale/off_policy"] == 3
     # A group that started for an earlier batch is late, not stale, while within the cap.
-    assert builder.add(group(1, [1.0, 0.0], version=2), served_version=4)
+    assert builder.add(group(1, [1.0, 0.0], version=2), served_version=4) == "admitted"
 
 
 def test_token_batches_count_tokens() -> None:
