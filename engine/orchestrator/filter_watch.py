@@ -3,11 +3,12 @@
 A filter that drops every group leaves each batch short forever. The `difficulty` filter on a
 policy that scores alike on every sample of every prompt (RL from a base model that never earns
 a reward, say) drew 7,888 rollouts of the debug config in 9.5 minutes without a line of output
-or a step. `FilterWatch` counts the groups dropped whole since a group was last admitted. It
-logs that count at most every `LINE_EVERY_S` seconds, and fails the run once `limit` groups in a
-row were dropped, naming the filters, the environments and the rewards those groups had. A
-filter that only thins the batches never gets near the limit: at the GPU recipe's 17 % of
-groups without signal, 256 in a row has a chance of about 10^-197.
+or a step. `FilterWatch` counts the groups dropped whole since a group was last admitted. Once a
+batch's worth were dropped in a row it logs that count, at most every `LINE_EVERY_S` seconds (a
+run that only thins its batches says nothing), and it fails the run once `limit` groups in a row
+were dropped, naming the filters, the environments and the rewards those groups had. A filter
+that only thins the batches never gets near the limit: at the GPU recipe's 17 % of groups
+without signal, 256 in a row has a chance of about 10^-197.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class FilterWatch:
                 "sample of its prompts. Start RL from a checkpoint the task rewards in part "
                 "(an SFT warm-up), or remove the filter"
             )
-        if time.monotonic() - self._said_at >= self.line_every_s:
+        if self._in_row >= self.limit // BATCHES_IN_A_ROW and (
+            time.monotonic() - self._said_at >= self.line_every_s
+        ):
             self._said_at = time.monotonic()
             logger.warning(
                 "the filters dropped the last %d group%s whole (%s; mean rewards %s); the run "

@@ -35,20 +35,22 @@ def test_an_admitted_group_breaks_the_row() -> None:
             watch.dropped(group(index, [0.5, 0.5]))
 
 
-def test_a_row_is_logged_with_its_count_at_most_every_interval(
+def test_a_row_is_logged_from_a_batchs_worth_with_its_count_at_most_every_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    watch = FilterWatch(["difficulty"], limit=100, line_every_s=0.0)
+    watch = FilterWatch(["difficulty"], limit=64, line_every_s=0.0)  # batches of 4 groups
     with caplog.at_level(logging.WARNING, logger="engine.orchestrator.filter_watch"):
-        watch.dropped(group(0, [0.0, 0.0]))
-        watch.dropped(group(1, [0.0, 0.0]))
+        for index in range(3):  # fewer than a batch's worth: a thinned batch, not a spin
+            watch.dropped(group(index, [0.0, 0.0]))
+        watch.admitted()
+        for index in range(5):
+            watch.dropped(group(index, [0.0, 0.0]))
     assert [record.getMessage() for record in caplog.records] == [
-        "the filters dropped the last 1 group whole (env: 1; mean rewards all 0.000); the run "
-        "stops at 100 in a row",
-        "the filters dropped the last 2 groups whole (env: 2; mean rewards all 0.000); the run "
-        "stops at 100 in a row",
+        f"the filters dropped the last {count} groups whole (env: {count}; mean rewards all "
+        "0.000); the run stops at 64 in a row"
+        for count in (4, 5)
     ]
-    quiet = FilterWatch(["difficulty"], limit=100, line_every_s=3600)
+    quiet = FilterWatch(["difficulty"], limit=64, line_every_s=3600)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="engine.orchestrator.filter_watch"):
         for index in range(50):
