@@ -70,9 +70,9 @@ class FilterWatch:
             raise FilteredOutError(
                 f"orchestrator.filters ({', '.join(self.filters)}) dropped the last "
                 f"{self._in_row} groups whole ({self._where()}; their mean rewards "
-                f"{self._rewards()}), so no step can fill: the policy scores alike on every "
-                "sample of its prompts. Start RL from a checkpoint the task rewards in part "
-                "(an SFT warm-up), or remove the filter"
+                f"{self._rewards()}), so no step can fill. For the built-in filters the policy "
+                "scores alike on every sample of its prompts: start RL from a checkpoint the "
+                "task rewards in part (an SFT warm-up), or remove the filter"
             )
         if self._in_row >= self.limit // BATCHES_IN_A_ROW and (
             time.monotonic() - self._said_at >= self.line_every_s
