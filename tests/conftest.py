@@ -1,6 +1,6 @@
 """Plumbing every test folder shares: which tests must share a pytest-xdist worker.
 
-`make test` runs on `TEST_WORKERS` pytest-xdist workers (2; 0 runs serially) with `--dist
+`make test` runs on `TEST_WORKERS` pytest-xdist workers (3; 0 runs serially) with `--dist
 loadgroup`. A session server (vLLM, Prefect) starts once per worker that needs it, so every
 test using one is put in that server's group and runs on one worker: each server still starts
 once per run, and the other workers take the tests that need none. The other integration and
