@@ -79,10 +79,9 @@ class FilterWatch:
         ):
             self._said_at = time.monotonic()
             logger.warning(
-                "the filters dropped the last %d group%s whole (%s; mean rewards %s); the run "
+                "the filters dropped the last %d groups whole (%s; mean rewards %s); the run "
                 "stops at %d in a row",
                 self._in_row,
-                "" if self._in_row == 1 else "s",
                 self._where(),
                 self._rewards(),
                 self.limit,
