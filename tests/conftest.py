@@ -7,6 +7,12 @@ once per run, and the other workers take the tests that need none. The other int
 end-to-end tests are grouped by module, so a module-scoped fixture (a run, a server of the
 module's own) is built once; unit tests go to whichever worker is free.
 
+The groups that take longest are handed out first (`LONGEST_FIRST`): xdist would order them by
+their number of tests, and the Prefect group's two flow-run tests, two thirds of its time, then
+ran last on a worker of their own, ~90 s after the others had finished. `test_flow_runs.py`
+runs apart from the rest of the Prefect group (`APART`), with a Prefect server of its own on its
+worker, so the two halves run side by side (docs/benchmarks.md, "The longest groups first").
+
 Every process of the run (the workers, and the servers, trainers and flow runs they start)
 gets `OMP_WAIT_POLICY=PASSIVE` unless the caller set it: on the 2-core machine those processes
 share the cores, and libgomp's default is to spin at every barrier before sleeping, which burns
@@ -28,6 +34,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SERVER_GROUPS = (("pool", "vllm"), ("lora_pool", "vllm"), ("prefect_api", "prefect"))
 #: Folders whose tests are kept together by module.
 BY_MODULE = ("tests/integration/", "tests/e2e/")
+#: Modules that use a session server but run on a worker of their own, which starts a second one.
+APART = ("tests/integration/prefect/test_flow_runs.py",)
+#: The groups handed out first, in this order (the longest; the rest follow in their order).
+LONGEST_FIRST = (
+    "tests/e2e/test_reverse_text.py",
+    "tests/integration/prefect/test_flow_runs.py",
+    "prefect",
+    "vllm",
+)
+_RANK = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the order `pytest_collection_modifyitems` gives, not xdist's by number of tests."""
+    config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -36,12 +57,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         group = next((name for fixture, name in SERVER_GROUPS if fixture in fixtures), None)
         module = item.nodeid.split("::", 1)[0]
-        if group is None and module.startswith(BY_MODULE):
+        if (group is None and module.startswith(BY_MODULE)) or module in APART:
             group = module
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
                 _suffix_group(item, group)
+        item.stash[_RANK] = (
+            LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+        )
+    items.sort(key=lambda item: item.stash[_RANK])
 
 
 def _suffix_group(item: pytest.Item, group: str) -> None:

@@ -1,5 +1,5 @@
 """`make test` (pytest-xdist workers, `--dist loadgroup`) keeps each integration module on one
-worker.
+worker and hands the longest groups out first.
 
 Under pytest 9.2 with pytest-xdist 3.8 the group mark alone did nothing (pytest-dev/pytest-xdist
 #1386): the two tests of one module went to two workers, so a module's run (the e2e pipeline)
@@ -40,3 +40,50 @@ def test_tests_of_one_integration_module_share_a_worker(pytester: pytest.Pyteste
     assert len(workers) == 4
     for module in ("alpha", "beta"):
         assert workers[f"{module}-one"] == workers[f"{module}-two"], workers
+
+
+#: A module whose tests use `fixture` and append the module's name to one file as they run.
+MODULE = """
+import pytest
+
+
+@pytest.fixture
+def {fixture}() -> None:
+    return None
+"""
+APPEND = """
+
+def test_{index}({fixture}: None) -> None:
+    with open("{out}", "a") as file:
+        file.write("{name}\\n")
+"""
+
+
+def test_the_longest_groups_run_first_and_the_flow_runs_apart(pytester: pytest.Pytester) -> None:
+    """One worker runs the groups in the order they are handed out: the e2e run, the flow runs
+    (apart from the Prefect group, though they use its server), the Prefect group, the vLLM
+    group, then the rest; xdist alone would start with the module of most tests."""
+    out = pytester.path / "order.txt"
+    pytester.makeconftest(CONFTEST.read_text())
+    suite = {  # module: (the fixture its tests use, how many tests)
+        "tests/e2e/test_reverse_text": ("run", 1),
+        "tests/integration/inference/test_served": ("pool", 1),
+        "tests/integration/prefect/test_deployed": ("prefect_api", 1),
+        "tests/integration/prefect/test_flow_runs": ("prefect_api", 1),
+        "tests/integration/test_many": ("folder", 3),
+    }
+    for module, (fixture, count) in suite.items():
+        name = module.rsplit("/", 1)[-1]
+        tests = [APPEND.format(index=i, fixture=fixture, out=out, name=name) for i in range(count)]
+        pytester.makepyfile(**{module: MODULE.format(fixture=fixture) + "".join(tests)})
+    result = pytester.runpytest_subprocess(
+        "-n", "1", "--dist", "loadgroup", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=7)
+    assert out.read_text().split() == [
+        "test_reverse_text",
+        "test_flow_runs",
+        "test_deployed",
+        "test_served",
+        *["test_many"] * 3,
+    ]
