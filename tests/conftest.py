@@ -8,8 +8,8 @@ end-to-end tests are grouped by module, so a module-scoped fixture (a run, a ser
 module's own) is built once; unit tests go to whichever worker is free.
 
 The groups that take longest are handed out first (`LONGEST_FIRST`): xdist would order them by
-their number of tests, and the Prefect group's two flow-run tests, two thirds of its time, then
-ran last on a worker of their own, ~90 s after the others had finished. `test_flow_runs.py`
+their number of tests, and the Prefect group (two thirds of it the two flow-run tests) then
+kept one worker busy alone for the last 46-62 s of the run. `test_flow_runs.py`
 runs apart from the rest of the Prefect group (`APART`), with a Prefect server of its own on its
 worker, so the two halves run side by side (docs/benchmarks.md, "The longest groups first").
 

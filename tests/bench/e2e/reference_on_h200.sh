@@ -14,10 +14,11 @@ WORK=$1
 TRL_WHEEL=$2
 python3 -m pip install --no-index --no-deps --target /tmp/site "$TRL_WHEEL" \
   > "$WORK/trl-install.txt" 2>&1 || echo "TRL's install failed: $WORK/trl-install.txt"
+FILTER='[{"type":"difficulty"}]'
 REFERENCE=(python3 -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml
   --sft-steps 100 --steps 150 --eval-every 25 --trl-python python3)
 FILTERED=(--inference.num-servers 2 --inference.gpu-ids 0 0 --inference.gpu-memory-utilization 0.12
-  --orchestrator.filters '[{"type":"difficulty"}]' --orchestrator.max-concurrent 512)
+  --orchestrator.filters "$FILTER" --orchestrator.max-concurrent 512)
 "${REFERENCE[@]}" --workdir "$WORK/ref" --out "$WORK/reference.json" -- "${FILTERED[@]}"
 echo "reference rc=$?"
 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_rl_gpu.py tests/gpu/test_deltas_gpu.py \
@@ -27,6 +28,6 @@ SFT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sft_chec
   "$WORK/reference.json")
 "${REFERENCE[@]}" --sft-checkpoint "$SFT" --skip-reference --workdir "$WORK/arms" \
   --out "$WORK/arms.json" \
-  --arm 'three-servers=--inference.num-servers 3 --inference.gpu-ids 0 0 0 --orchestrator.filters [{"type":"difficulty"}] --orchestrator.max-concurrent 512' \
+  --arm 'three-servers=--inference.num-servers 3 --inference.gpu-ids 0 0 0 --orchestrator.filters '"$FILTER"' --orchestrator.max-concurrent 512' \
   -- "${FILTERED[@]}" --orchestrator.filters '[]' --orchestrator.max-concurrent 256
 echo "arms rc=$?"
