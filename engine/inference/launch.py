@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import shutil
 import signal
 import sys
 import threading
@@ -32,14 +33,21 @@ VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 #: The flag for several API-server processes in front of one engine, which only `vllm serve`
 #: honours (the server module above always runs one).
 API_SERVER_COUNT = "--api-server-count"
+#: A folder the pool made for this server alone, where vLLM is told to put its ZMQ sockets
+#: (`VLLM_RPC_BASE_PATH`); a variable of our own, so that only that folder is ever removed here.
+RPC_DIR_ENV = "PRIMEFLOW_VLLM_RPC_DIR"
 #: Time vLLM gets to shut down cleanly (free shared memory, join workers) before SIGKILL.
 GRACE_S = 5.0
 
 
 def end_group_when_closed(fd: int, grace_s: float = GRACE_S) -> None:
-    """Block until the pipe's writers are gone, then SIGTERM and later SIGKILL our group."""
+    """Block until the pipe's writers are gone, then SIGTERM and later SIGKILL our group.
+
+    The pool that would have removed the server's socket folder is gone, so it is removed here."""
     while os.read(fd, 1):
         pass
+    if RPC_DIR_ENV in os.environ:
+        shutil.rmtree(os.environ[RPC_DIR_ENV], ignore_errors=True)
     group = os.getpgrp()
     os.killpg(group, signal.SIGTERM)
     time.sleep(grace_s)
@@ -51,6 +59,8 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[1].isdigit():
         raise SystemExit("usage: python -m engine.inference.launch <fd> <vllm args...>")
     fd = int(argv[1])
+    if RPC_DIR_ENV in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = os.environ[RPC_DIR_ENV]
     cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if cores not in ("auto", "nobind"):
         bind_to_cores(cores, "inference.cpu_cores")

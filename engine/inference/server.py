@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,7 @@ import httpx
 
 from engine.config.inference import LoraServingConfig
 from engine.inference.diagnose import failure_cause
-from engine.inference.launch import API_SERVER_COUNT
+from engine.inference.launch import API_SERVER_COUNT, RPC_DIR_ENV
 from engine.inference.procs import group_members
 
 EXTENSION = "engine.inference.reload_ext.WeightReloadExtension"
@@ -140,12 +142,20 @@ class ServerProcess:
     spec: ServerSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+    #: The folder of the server's ZMQ sockets (`VLLM_RPC_BASE_PATH`), removed when it stops.
+    rpc_dir: Path
     started_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def start(cls, spec: ServerSpec, log_path: Path, parent_fd: int) -> ServerProcess:
-        """Launch through `engine.inference.launch`, which ends the group when we die."""
+        """Launch through `engine.inference.launch`, which ends the group when we die.
+
+        vLLM puts its ZMQ sockets in the temp folder and never unlinks them: ~100 of them were
+        left in /tmp by every test-suite run. Each server gets a folder of its own instead, short
+        enough for a socket path (108 bytes), which `stop` (or `launch`, if we die) removes."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        rpc_dir = Path(tempfile.mkdtemp(prefix="primeflow-vllm-"))
+        env = {**spec.env(dict(os.environ)), RPC_DIR_ENV: str(rpc_dir)}
         command = [sys.executable, "-m", "engine.inference.launch", str(parent_fd), *spec.argv()]
         with log_path.open("ab") as log:
             process = subprocess.Popen(
@@ -153,11 +163,11 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=spec.env(dict(os.environ)),
+                env=env,
                 start_new_session=True,
                 pass_fds=(parent_fd,),
             )
-        return cls(spec=spec, process=process, log_path=log_path)
+        return cls(spec=spec, process=process, log_path=log_path, rpc_dir=rpc_dir)
 
     @property
     def pgid(self) -> int:
@@ -205,3 +215,4 @@ class ServerProcess:
                     break
                 time.sleep(0.1)
         self.process.poll()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from engine.config.inference import InferenceConfig
+from engine.inference.launch import RPC_DIR_ENV
 from engine.inference.pool import POOL_RECORD, InferencePool, InferencePoolError
 from engine.inference.procs import group_members
 from tests.integration.inference.reference import greedy, token_logprobs
@@ -135,6 +136,14 @@ def wait_gone(pgids: list[int], timeout_s: float) -> list[int]:
     return alive
 
 
+def socket_folders(pgids: list[int]) -> list[Path]:
+    """Each server's folder of ZMQ sockets (its group leader's `RPC_DIR_ENV`), checked to be
+    in use: it holds the server's sockets."""
+    folders = [Path(psutil.Process(pgid).environ()[RPC_DIR_ENV]) for pgid in pgids]
+    assert all(any(path.is_socket() for path in folder.iterdir()) for folder in folders)
+    return folders
+
+
 def test_sigterm_stops_every_server(children: tuple[Child, Child]) -> None:
     child = children[0]
     lines = child.wait_for("serving")
@@ -144,10 +153,12 @@ def test_sigterm_stops_every_server(children: tuple[Child, Child]) -> None:
     assert models.status_code == 200
     pgids = child.pgids()
     assert pgids and all(group_members(pgid) for pgid in pgids)
+    folders = socket_folders(pgids)
 
     child.process.send_signal(signal.SIGTERM)
     assert child.process.wait(timeout=60) == 0
     assert wait_gone(pgids, timeout_s=5) == []
+    assert not any(folder.exists() for folder in folders)  # no socket left behind in /tmp
     assert json.loads((child.logs / POOL_RECORD).read_text())["status"] == "stopped"
     assert "Application startup complete" in (child.logs / "inference-0.log").read_text()
 
@@ -178,10 +189,12 @@ def test_servers_die_with_their_parent(children: tuple[Child, Child]) -> None:
     assert len(members) >= 3  # the API servers and at least vLLM's engine process
     titles = [" ".join(psutil.Process(pid).cmdline()) for pid in members]
     assert sum(title.startswith("VLLM::APIServer") for title in titles) == 2, titles
+    folders = socket_folders(pgids)
 
     os.kill(child.process.pid, signal.SIGKILL)
     child.process.wait(timeout=10)
     assert wait_gone(pgids, timeout_s=30) == []
+    assert not any(folder.exists() for folder in folders)  # removed by `launch`, the pool gone
 
 
 def test_bad_model_path_fails_fast_naming_it(tmp_path: Path) -> None:
