@@ -7,8 +7,9 @@ once per run, and the other workers take the tests that need none. The other int
 end-to-end tests are grouped by module, so a module-scoped fixture (a run, a server of the
 module's own) is built once; unit tests go to whichever worker is free.
 
-The groups that take longest are handed out first (`LONGEST_FIRST`): xdist would order them by
-their number of tests, and the Prefect group (two thirds of it the two flow-run tests) then
+The groups that take longest are handed out first (`LONGEST_FIRST`), then the other groups, and
+the tests of no group last, to fill the end of the run: xdist would order the groups by their
+number of tests, and the Prefect group (two thirds of it the two flow-run tests) then
 kept one worker busy alone for the last 46-62 s of the run. `test_flow_runs.py`
 runs apart from the rest of the Prefect group (`APART`), with a Prefect server of its own on its
 worker, so the two halves run side by side (docs/benchmarks.md, "The longest groups first").
@@ -63,10 +64,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
             if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
                 _suffix_group(item, group)
-        item.stash[_RANK] = (
-            LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
-        )
+        item.stash[_RANK] = _rank(group)
     items.sort(key=lambda item: item.stash[_RANK])
+
+
+def _rank(group: str | None) -> int:
+    """The longest groups in their order, then the other groups, then the tests of no group:
+    those are short and go to any worker, so they fill the end of the run, where a module
+    group handed out last (a trainer module's ~50 s) kept one worker busy while two waited."""
+    if group in LONGEST_FIRST:
+        return LONGEST_FIRST.index(group)
+    return len(LONGEST_FIRST) + (group is None)
 
 
 def _suffix_group(item: pytest.Item, group: str) -> None:

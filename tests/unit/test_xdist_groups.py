@@ -62,7 +62,8 @@ def test_{index}({fixture}: None) -> None:
 def test_the_longest_groups_run_first_and_the_flow_runs_apart(pytester: pytest.Pytester) -> None:
     """One worker runs the groups in the order they are handed out: the e2e run, the flow runs
     (apart from the Prefect group, though they use its server), the Prefect group, the vLLM
-    group, then the rest; xdist alone would start with the module of most tests."""
+    group, then the other groups, and the tests of no group last; xdist alone would start with
+    the module of most tests."""
     out = pytester.path / "order.txt"
     pytester.makeconftest(CONFTEST.read_text())
     suite = {  # module: (the fixture its tests use, how many tests)
@@ -71,6 +72,9 @@ def test_the_longest_groups_run_first_and_the_flow_runs_apart(pytester: pytest.P
         "tests/integration/prefect/test_deployed": ("prefect_api", 1),
         "tests/integration/prefect/test_flow_runs": ("prefect_api", 1),
         "tests/integration/test_many": ("folder", 3),
+        # of no group, and collected before the module groups (the suite collects tests/unit
+        # first, `testpaths`)
+        "tests/gpu/test_alone": ("tmp_path", 1),
     }
     for module, (fixture, count) in suite.items():
         name = module.rsplit("/", 1)[-1]
@@ -79,11 +83,12 @@ def test_the_longest_groups_run_first_and_the_flow_runs_apart(pytester: pytest.P
     result = pytester.runpytest_subprocess(
         "-n", "1", "--dist", "loadgroup", "-p", "no:cacheprovider"
     )
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=8)
     assert out.read_text().split() == [
         "test_reverse_text",
         "test_flow_runs",
         "test_deployed",
         "test_served",
         *["test_many"] * 3,
+        "test_alone",
     ]
