@@ -25,6 +25,7 @@ from tests.integration.servers import (
     ServerProcess,
     ServerStartError,
     apply_s3_env,
+    on_free_ports,
     start_fake_gcs,
     start_moto,
     start_seaweed,
@@ -44,7 +45,7 @@ STARTUP_S: dict[str, float] = {}
 
 def _start(starter: Callable, tmp_path_factory: pytest.TempPathFactory, name: str):
     try:
-        server, endpoint = starter(tmp_path_factory.mktemp(name))
+        server, endpoint = on_free_ports(lambda: starter(tmp_path_factory.mktemp(name)))
     except ServerStartError as exc:
         pytest.fail(f"could not start {name}: {exc}", pytrace=False)
     STARTUP_S[name] = server.startup_s
@@ -149,7 +150,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     home = Path(tmp_path_factory.mktemp("prefect-home"))
     # The scheduler runs every second (default: a minute) so schedule tests see runs quickly.
     fast = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
-    state = prefect_server_cli.start(home, port=_free_port(), env=fast)
+    state = on_free_ports(lambda: prefect_server_cli.start(home, port=_free_port(), env=fast))
     try:
         with temporary_settings(updates={PREFECT_API_URL: state.api_url}):
             yield PrefectServer(home=home, port=state.port, env=fast)

@@ -29,8 +29,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 LOOPBACK = "127.0.0.1"
+T = TypeVar("T")
 REGION = "us-east-1"
 
 # Environment variables that would steer a client away from the test server or make it look for
@@ -156,6 +158,28 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+#: Starts of one server, each on new ports, before a port taken under it fails the start.
+PORT_ATTEMPTS = 3
+
+
+def on_free_ports(start: Callable[[], T], attempts: int = PORT_ATTEMPTS) -> T:
+    """`start()`, called again when the server it started died because a port it was given had
+    been taken; `start` picks new ports (and a new folder) on each call.
+
+    `free_ports` can only say a port was free a moment ago: another process may bind it first,
+    and the workers of a parallel run open connections, whose local ports the OS draws from the
+    same range. SeaweedFS binds its eight ports over seconds; one of them was taken in a suite
+    run (`bind: address already in use`), and the five tests that used it errored.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except Exception as exc:  # each server's own start error; the cause is in its log
+            if "address already in use" not in str(exc).lower() or attempt == attempts:
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def http_status(port: int, path: str = "/", timeout_s: float = 2.0) -> int | None:
@@ -297,12 +321,15 @@ class ServerProcess:
 # --- moto -----------------------------------------------------------------------------------
 
 
-def start_moto(workdir: Path, *, bucket: str = "primeflow-it", timeout_s: float = 30.0):
-    """A moto S3 server (any credentials accepted) with `bucket` created.
+def start_moto(
+    workdir: Path, *, bucket: str = "primeflow-it", timeout_s: float = 30.0, port: int = 0
+):
+    """A moto S3 server (any credentials accepted) with `bucket` created, on `port` (0: one
+    the OS says is free).
 
     Returns `(server, endpoint)`.
     """
-    (port,) = free_ports(1)
+    port = port or free_ports(1)[0]
     server = ServerProcess(
         name="moto",
         argv=[venv_binary("moto_server"), "-H", LOOPBACK, "-p", str(port)],

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.integration.servers import GcsEndpoint, S3Endpoint, ServerProcess
+from tests.integration.servers import (
+    LOOPBACK,
+    PORT_ATTEMPTS,
+    GcsEndpoint,
+    S3Endpoint,
+    ServerProcess,
+    ServerStartError,
+    on_free_ports,
+    start_moto,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -65,3 +76,29 @@ def test_seaweed_refuses_unsigned_and_wrongly_signed_requests(seaweed_s3: S3Endp
     with pytest.raises(ClientError) as refused:
         client.list_objects_v2(Bucket=seaweed_s3.bucket)
     assert refused.value.response["Error"]["Code"] in {"SignatureDoesNotMatch", "AccessDenied"}
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_a_new_one(tmp_path: Path) -> None:
+    """The race `on_free_ports` covers, forced: the first moto is given a port another
+    socket already listens on; it dies on the bind, and the second start, on a port the OS
+    gives, serves."""
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        given = iter([taken.getsockname()[1], 0])
+        folders = iter(tmp_path / f"moto-{attempt}" for attempt in range(PORT_ATTEMPTS))
+        server, endpoint = on_free_ports(lambda: start_moto(next(folders), port=next(given)))
+    try:
+        first_log = (tmp_path / "moto-0" / "moto.log").read_text().lower()
+        assert "address already in use" in first_log
+        assert server.workdir == tmp_path / "moto-1"
+        assert endpoint.boto3_client().list_buckets()["Buckets"]  # the bucket it made
+    finally:
+        server.stop()
+
+
+def test_a_start_that_fails_for_another_cause_is_not_tried_again(tmp_path: Path) -> None:
+    folders = iter(tmp_path / f"moto-{attempt}" for attempt in range(PORT_ATTEMPTS))
+    with pytest.raises(ServerStartError, match="exited with code"):
+        on_free_ports(lambda: start_moto(next(folders), port=-1))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["moto-0"]
