@@ -2,8 +2,9 @@
 # Issue 30 item 2's paired comparison on one GPU, most needed first, for a device call chain
 # that may be cut short: the reference (primeflow with dynamic sampling and room in flight for
 # the groups it drops, on two vLLM servers, then TRL's GRPOTrainer from the same SFT
-# checkpoint); the GPU tests; then, from that SFT checkpoint, primeflow without the filter and
-# with the filter on three servers. TRL comes as its wheel (no package index on the GPU
+# checkpoint); the GPU tests; then, from that SFT checkpoint, primeflow without the filter, with
+# it and 256 rollouts in flight (the twelfth session's paired run sampled slower with 512 than
+# the tenth's unpaired one with 256), and with it on three servers. TRL comes as its wheel (no package index on the GPU
 # machine): `pip download --no-deps --only-binary=:all: --python-version 3.12 trl==1.16.0`
 # here, carried with the call, installed into ../shared/gpu-vllm's /tmp/site. Run it through
 # across_calls.sh (call again until it prints `ended`):
@@ -28,6 +29,7 @@ SFT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sft_chec
   "$WORK/reference.json")
 "${REFERENCE[@]}" --sft-checkpoint "$SFT" --skip-reference --workdir "$WORK/arms" \
   --out "$WORK/arms.json" \
+  --arm 'filter-256=--orchestrator.filters '"$FILTER"' --orchestrator.max-concurrent 256' \
   --arm 'three-servers=--inference.num-servers 3 --inference.gpu-ids 0 0 0 --orchestrator.filters '"$FILTER"' --orchestrator.max-concurrent 512' \
   -- "${FILTERED[@]}" --orchestrator.filters '[]' --orchestrator.max-concurrent 256
 echo "arms rc=$?"
