@@ -33,8 +33,8 @@ VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 #: The flag for several API-server processes in front of one engine, which only `vllm serve`
 #: honours (the server module above always runs one).
 API_SERVER_COUNT = "--api-server-count"
-#: A folder the pool made for this server alone, where vLLM is told to put its ZMQ sockets
-#: (`VLLM_RPC_BASE_PATH`); a variable of our own, so that only that folder is ever removed here.
+#: A folder the pool made for this server alone and handed to vLLM for its ZMQ sockets (as
+#: `VLLM_RPC_BASE_PATH` too); a variable of our own, so that only that folder is removed here.
 RPC_DIR_ENV = "PRIMEFLOW_VLLM_RPC_DIR"
 #: Time vLLM gets to shut down cleanly (free shared memory, join workers) before SIGKILL.
 GRACE_S = 5.0
@@ -59,8 +59,6 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[1].isdigit():
         raise SystemExit("usage: python -m engine.inference.launch <fd> <vllm args...>")
     fd = int(argv[1])
-    if RPC_DIR_ENV in os.environ:
-        os.environ["VLLM_RPC_BASE_PATH"] = os.environ[RPC_DIR_ENV]
     cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if cores not in ("auto", "nobind"):
         bind_to_cores(cores, "inference.cpu_cores")

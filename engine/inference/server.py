@@ -155,7 +155,11 @@ class ServerProcess:
         enough for a socket path (108 bytes), which `stop` (or `launch`, if we die) removes."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         rpc_dir = Path(tempfile.mkdtemp(prefix="primeflow-vllm-"))
-        env = {**spec.env(dict(os.environ)), RPC_DIR_ENV: str(rpc_dir)}
+        env = {
+            **spec.env(dict(os.environ)),
+            RPC_DIR_ENV: str(rpc_dir),
+            "VLLM_RPC_BASE_PATH": str(rpc_dir),
+        }
         command = [sys.executable, "-m", "engine.inference.launch", str(parent_fd), *spec.argv()]
         with log_path.open("ab") as log:
             process = subprocess.Popen(

@@ -4,9 +4,10 @@
 # the groups it drops, on two vLLM servers, then TRL's GRPOTrainer from the same SFT
 # checkpoint); the GPU tests; then, from that SFT checkpoint, primeflow without the filter, with
 # it and 256 rollouts in flight (the twelfth session's paired run sampled slower with 512 than
-# the tenth's unpaired one with 256), and with it on three servers. TRL comes as its wheel (no package index on the GPU
-# machine): `pip download --no-deps --only-binary=:all: --python-version 3.12 trl==1.16.0`
-# here, carried with the call, installed into ../shared/gpu-vllm's /tmp/site. Run it through
+# the tenth's unpaired one with 256), and with it on three servers. TRL comes as its wheel (no
+# package index on the GPU machine): `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 trl==1.16.0` here, carried with the call, installed into
+# ../shared/gpu-vllm's /tmp/site. Run it through
 # across_calls.sh (call again until it prints `ended`):
 #   bash tests/bench/e2e/across_calls.sh /tmp/s bash tests/bench/e2e/reference_on_h200.sh \
 #     /tmp/s .gpu-trl/trl-1.16.0-py3-none-any.whl
