@@ -18,7 +18,9 @@ the first step and time at which primeflow's curve reaches G; and those over the
 reward against step (left) and against wall time (right) for both. `--arm NAME=FLAGS` adds
 primeflow arms (one after another, each alone on the pool, from the same SFT policy; an arm
 that changes `--inference.*` gets a pool of its own while it runs) to the one TRL run, each with
-its own curve and headline (`headlines`), e.g. the next comparison:
+its own curve and headline (`headlines`). They run after the recipe's arm and TRL, so that the
+headline comes first on a device that may be taken back; an arm that fails is recorded under
+`failed` and the next one runs. E.g. the next comparison:
 
     python -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml \
         --sft-steps 100 --steps 150 --trl-python python3 \
@@ -42,7 +44,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,12 @@ from engine.inference.pool import InferencePool
 from engine.local_checkpoints import local_checkpoint
 from engine.models.tiny import default_cache_dir
 from engine.orchestrator.main import evaluate_policy
-from engine.run import local_run_dir, run_store
+from engine.run import local_run_dir, open_run, run_store
+from engine.stages import run_rl
 from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.store import ObjectStore
-from tests.bench.e2e.bench_async import run_rl, save, train_sft
+from tests.bench.e2e.bench_async import save, train_sft
 from tests.bench.e2e.bench_learning import learning_health, loop_timing
 from tests.bench.e2e.bench_trl import HERE, json_lines, write_prompts
 
@@ -177,24 +179,48 @@ def evaluate_kept(
 def run_arm(
     config: PrimeflowConfig, pool: InferencePool, sft: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """One primeflow arm from the SFT policy: its RL stage, then every kept policy evaluated."""
+    """One primeflow arm from the SFT policy: its RL stage as the `rl` flow runs it (a trainer
+    that dies fails the arm at once, where an orchestrator on its own would wait an hour for
+    its next policy), then every kept policy evaluated."""
     pool.reload(sft, version=0)
-    run_rl(config, pool, "trainer")
+    run_rl(config, open_run(config, command=["bench_reference", config.run.name]), pool)
     store = run_store(config)
     every = {*range(args.eval_every, args.steps + 1, args.eval_every), args.steps}
     kept = {0: sft, **{s: store.url(RunLayout.checkpoint_dir(s)) for s in sorted(every)}}
     return evaluate_kept(config, pool, store, "held-out", kept, primeflow_clock(config))
 
 
-def pool_of(
-    arm: PrimeflowConfig, config: PrimeflowConfig, pool: InferencePool
-) -> AbstractContextManager[InferencePool]:
-    """The pool an arm samples from: the shared one, or, where the arm changes the inference
-    settings (more servers on the GPU, say), its own, up only while the arm runs. Without it an
-    arm's `--inference.*` flags would be silently ignored."""
-    if arm.inference == config.inference:
-        return nullcontext(pool)
-    return InferencePool.for_run(arm, local_run_dir(arm) / "logs")
+class OnePool:
+    """The pool the work at hand samples from, one pool up at a time: an arm whose inference
+    settings differ from the pool up (more servers on the GPU, say) stops it and starts its
+    own, and the recipe's comes back for what needs it after. Without it an arm's
+    `--inference.*` flags would be silently ignored; with the recipe's pool left up beside an
+    arm's own, three servers beside four ran the GPU out of memory (the thirteenth session's
+    `four-servers` arm)."""
+
+    def __init__(self) -> None:
+        self._pool: InferencePool | None = None
+
+    def __enter__(self) -> OnePool:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool = None
+
+    def of(self, config: PrimeflowConfig) -> InferencePool:
+        """A pool with `config`'s inference settings, started if the one up has others."""
+        if self._pool is not None and self._pool.config == config.inference:
+            return self._pool
+        self.close()
+        pool = InferencePool.for_run(config, local_run_dir(config) / "logs")
+        pool.start()
+        self._pool = pool
+        return pool
 
 
 def reaching(curve: Sequence[dict[str, Any]], target: float) -> dict[str, Any] | None:
@@ -232,7 +258,7 @@ def figure_png(result: dict[str, Any], path: Path) -> None:
     figure = Figure(figsize=(12, 4.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     by_step, by_time = figure.subplots(1, 2, sharey=True)
-    arms = [*result["arms"], "reference"]
+    arms = [*(name for name in result["arms"] if name in result), "reference"]
     colors = ["tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for who, color in zip(arms, [*colors[: len(arms) - 1], "tab:orange"], strict=True):
         for mode, style in (("greedy", "s-"), ("sampled", "o--")):
@@ -297,34 +323,50 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "arms": flags,
     }
     lines: dict[str, dict[str, list[dict]]] = {}  # every arm's metric lines, beside the result
-    with InferencePool.for_run(config, local_run_dir(config) / "logs") as pool:
-        for name, arm in arms.items():
-            with pool_of(arm, config, pool) as arm_pool:
-                result[name] = run_arm(arm, arm_pool, sft, args)
-            store = run_store(arm)
-            train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
-            result.setdefault("timing", {})[name] = loop_timing(train, orch)
-            result.setdefault("health", {})[name] = learning_health(train, orch)
-            lines[name] = {"rl": train, "orchestrator": orch}
+
+    def run_and_record(name: str, pools: OnePool) -> None:
+        """Run arm `name` and record it; a failed arm is recorded with its error, so the arms
+        after it (and TRL) still run on a device call chain that may not come again."""
+        arm_config = arms[name]
+        try:
+            result[name] = run_arm(arm_config, pools.of(arm_config), sft, args)
+        except Exception as error:  # recorded; the next arm runs
+            result.setdefault("failed", {})[name] = f"{type(error).__name__}: {error}"
             save(result, str(out))
-            save(lines, str(out.with_name(f"{out.stem}-metrics.json")))
+            return
+        store = run_store(arm_config)
+        train, orch = read_metrics(store, "rl"), read_metrics(store, "orchestrator")
+        result.setdefault("timing", {})[name] = loop_timing(train, orch)
+        result.setdefault("health", {})[name] = learning_health(train, orch)
+        if "reference" in result:
+            result.setdefault("headlines", {})[name] = headline(result[name], result["reference"])
+        lines[name] = {"rl": train, "orchestrator": orch}
+        save(result, str(out))
+        save(lines, str(out.with_name(f"{out.stem}-metrics.json")))
+
+    with OnePool() as pools:
+        # The recipe's arm, then TRL, then the other arms: the headline comes first.
+        run_and_record(PRIMEFLOW, pools)
         if not args.skip_reference:
-            trl_clock, trl_kept, result["health"]["reference"] = run_reference(
+            trl_clock, trl_kept, result.setdefault("health", {})["reference"] = run_reference(
                 args, config, sft, workdir
             )
             trl_store = ObjectStore(f"file://{workdir}/reference")
             policies: dict[int, str | Path] = {0: sft, **trl_kept}
             result["reference"] = evaluate_kept(
-                config, pool, trl_store, "held-out", policies, trl_clock
+                config, pools.of(config), trl_store, "held-out", policies, trl_clock
             )
-            result["headline"] = headline(result[PRIMEFLOW], result["reference"])
-            result["headlines"] = {
-                name: headline(result[name], result["reference"]) for name in arms
-            }
+            if PRIMEFLOW in result:
+                result["headline"] = headline(result[PRIMEFLOW], result["reference"])
+                result["headlines"] = {PRIMEFLOW: result["headline"]}
+            save(result, str(out))
+        for name in arms:
+            if name != PRIMEFLOW:
+                run_and_record(name, pools)
     save(result, str(out))
     if "reference" in result:
         figure_png(result, out.with_suffix(".png"))
-    print(json.dumps({key: result.get(key) for key in ("headlines", "timing", "health")}))
+    print(json.dumps({key: result.get(key) for key in ("headlines", "timing", "health", "failed")}))
     return result
 
 
