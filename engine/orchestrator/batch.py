@@ -9,7 +9,6 @@ rollout without the others), and the batch closes at the first group that takes 
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,27 +31,13 @@ class StepBatch:
     #: Sampled tokens of every group that arrived, and of those dropped as stale, by env.
     sampled_tokens: Counter[str] = field(default_factory=Counter)
     stale_tokens: Counter[str] = field(default_factory=Counter)
+    #: What each fresh group offered gave the batch, in its unit (0: filtered out, or every
+    #: rollout skipped): what sizes later launches (`engine.orchestrator.launch_sizing`).
+    group_yields: list[float] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(sample.num_tokens for sample in self.samples)
-
-
-@dataclass(frozen=True)
-class BatchYield:
-    """What a committed batch's samples held and its rollouts gave: sizes later launches."""
-
-    tokens_per_sample: float
-    samples_per_rollout: float
-
-    @classmethod
-    def of(cls, batch: StepBatch) -> BatchYield | None:
-        """`batch`'s yield (None for a batch without samples or rollouts)."""
-        rollouts = batch.counts["rollouts"]
-        if not batch.samples or not rollouts:
-            return None
-        samples = len(batch.samples)
-        return cls(batch.num_tokens / samples, samples / rollouts)
 
 
 #: What became of a group offered to a batch: some of its samples went in, it was too far behind
@@ -92,22 +77,20 @@ class BatchBuilder:
     def full(self) -> bool:
         return self.size >= self._batch_size
 
-    def rollouts_short(self, last: BatchYield | None, later_batches: int = 0) -> float:
-        """About how many more rollouts fill the batch and `later_batches` more of its size,
-        at what the last batch (`last`) got from each: a token budget is sized at this batch's
-        mean sample, else at the last one's, else it cannot be told (infinity); filters and
-        stale groups thin the yield, multi-turn splits raise it."""
-        missing: float = self._batch_size * (1 + later_batches) - self.size
-        if self._unit == "tokens":
-            sizing = BatchYield.of(self.batch) or last
-            if sizing is None:
-                return math.inf
-            missing /= sizing.tokens_per_sample
-        return math.ceil(missing / (last.samples_per_rollout if last is not None else 1.0))
+    def short_of(self, later_batches: int = 0) -> int:
+        """What (samples or tokens) this batch and `later_batches` more of its size lack."""
+        return self._batch_size * (1 + later_batches) - self.size
 
     def add(self, group: Group, served_version: int) -> Admission:
         """Admit the group if it is fresh, minus what the filters drop; count the rest under
         the step."""
+        before = self.size
+        admission = self._admit(group, served_version)
+        if admission != "stale":  # a surplus started too early, not what a group gives
+            self.batch.group_yields.append(float(self.size - before))
+        return admission
+
+    def _admit(self, group: Group, served_version: int) -> Admission:
         counts = self.batch.counts
         counts["groups"] += 1
         counts["rollouts"] += group.rollouts

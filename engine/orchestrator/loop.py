@@ -34,9 +34,10 @@ from engine.inference.control import (
 from engine.inference.serving import PolicyServing
 from engine.orchestrator.advantages import build_advantage_fn
 from engine.orchestrator.async_bound import may_sample_for, min_policy_version, newest_batch_for
-from engine.orchestrator.batch import BatchBuilder, BatchYield, StepBatch
+from engine.orchestrator.batch import BatchBuilder, StepBatch
 from engine.orchestrator.filter_watch import FilterWatch, groups_in_a_row_limit
 from engine.orchestrator.filters import build_filters
+from engine.orchestrator.launch_sizing import LaunchSizer
 from engine.orchestrator.online_eval import OnlineEval, is_due
 from engine.orchestrator.samples import Group, TrainSample, build_group
 from engine.orchestrator.signal_watch import RESUME_WINDOW, SignalWatch
@@ -110,8 +111,8 @@ class Orchestrator:
         self.metrics: list[dict[str, float]] = []
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
         self._pending: deque[tuple[int, Group]] = deque()
-        #: What the last committed batch got per rollout (sizes on-policy launches).
-        self._last_yield: BatchYield | None = None
+        #: What recent batches' groups gave them: sizes the launches.
+        self._sizer = LaunchSizer(group_size=config.rollouts_per_example, unit=config.batch_unit)
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0
@@ -141,7 +142,7 @@ class Orchestrator:
                 self._timing = dict.fromkeys(self._timing, 0.0)
                 batch = await self._collect(step)
                 await self._commit(step, batch, time.monotonic() - started)
-                self._last_yield = BatchYield.of(batch)
+                self._sizer.closed(batch)
             if self._reload is not None:
                 await self._reload  # a policy that failed verification fails the run
             if self._evaluation is not None:
@@ -242,15 +243,15 @@ class Orchestrator:
         no more than the batches that rollouts started on the `served` version may go into
         still lack (`newest_batch_for`): on-policy only this batch, async up to
         `max_async_level` more. A surplus would land in later batches, further behind than the
-        bound (or, on-policy, be thrown away as stale). Each batch's need is sized at the last
-        batch's yield (filters thin it).
+        bound (or, on-policy, be thrown away as stale). What they lack is counted in groups at
+        what recent groups gave, with a margin for the filters' drops (`LaunchSizer`).
         """
         per_group = self.config.rollouts_per_example
         later = max(0, newest_batch_for(served, self.config.max_async_level) - builder.batch.step)
-        wanted = builder.rollouts_short(self._last_yield, later)
+        wanted = self._sizer.groups_wanted(builder, later)
         while not self._inflight or (
             (len(self._inflight) + 1) * per_group <= self.config.max_concurrent
-            and len(self._inflight) * per_group < wanted
+            and len(self._inflight) < wanted
         ):
             index, entry, task = self.mix.next(self._landed)
             self._landed[index] += 1

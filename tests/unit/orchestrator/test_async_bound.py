@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import Counter
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.config.orchestrator import DifficultyFilterConfig
 from engine.orchestrator.async_bound import (
     may_sample_for,
     min_policy_version,
@@ -26,6 +29,8 @@ from engine.orchestrator.async_bound import (
     stale_reason,
 )
 from engine.orchestrator.batch import BatchBuilder, StepBatch
+from engine.orchestrator.filters import build_filters
+from engine.orchestrator.launch_sizing import LaunchSizer
 from engine.orchestrator.samples import Group
 from tests.unit.orchestrator.helpers import group
 
@@ -43,9 +48,11 @@ def simulate(
     rollout_times: list[float],
     train_times: list[float],
     reload_times: list[float],
-) -> tuple[list[StepBatch], list[tuple[int, int, int, int]], int, int]:
+    dropped: Callable[[int], bool] | None = None,
+) -> tuple[list[StepBatch], list[tuple[int, int, int, int]], int, int, float]:
     """Run the model; returns batches, (step, version, served, launched for) per admitted
-    sample, made and pending."""
+    sample, made, pending and the time the last batch closed. With `dropped`, the groups it
+    picks (by group id) score alike, and the `difficulty` filter drops them."""
     events: list[tuple[float, int, str, int]] = []
     order = itertools.count()
     rollout_time, train_time, reload_time = (
@@ -61,12 +68,14 @@ def simulate(
     admissions: list[tuple[int, int, int, int]] = []
     made = 0
 
+    sizer = LaunchSizer(group_size=group_size, unit="samples")
+
     def builder(for_step: int) -> BatchBuilder:
         return BatchBuilder(
             for_step,
             batch_size=group_size * groups_per_batch,
             unit="samples",
-            filters=[],
+            filters=build_filters([DifficultyFilterConfig()] if dropped else []),
             max_async_level=max_async_level,
             max_off_policy_steps=max_off_policy_steps,
         )
@@ -83,6 +92,7 @@ def simulate(
             current.add(finished, served)
             if current.full:
                 batches.append(current.batch)
+                sizer.closed(current.batch)
                 trainer_free_at = max(trainer_free_at, now) + next(train_time)
                 heapq.heappush(events, (trainer_free_at, next(order), "checkpoint", step))
                 step += 1
@@ -92,9 +102,9 @@ def simulate(
         # Start rollouts while the pool's policy may go into the batch being built, as many as
         # the batches it may go into still lack (at least one group, as the loop does).
         later = max(0, newest_batch_for(served, max_async_level) - step)
-        wanted = current.rollouts_short(None, later)
+        wanted = sizer.groups_wanted(current, later)
         while may_sample_for(step, served, max_async_level) and (
-            in_flight == 0 or (in_flight < concurrency and in_flight * group_size < wanted)
+            in_flight == 0 or (in_flight < concurrency and in_flight < wanted)
         ):
             gid = next(group_ids)
             versions[gid], launched_for[gid] = served, step
@@ -104,7 +114,9 @@ def simulate(
         if kind == "group":
             in_flight -= 1
             made += group_size
-            pending.append(group(value, [float(i) for i in range(group_size)], versions[value]))
+            alike = dropped is not None and dropped(value)
+            rewards = [0.0 if alike else float(i + 1) for i in range(group_size)]
+            pending.append(group(value, rewards, versions[value]))
         elif kind == "checkpoint":
             heapq.heappush(events, (now + next(reload_time), next(order), "served", value))
         else:
@@ -112,7 +124,7 @@ def simulate(
     else:
         raise AssertionError("the model stopped making progress")
     leftover = sum(len(g.samples) for g in pending)
-    return batches, admissions, made, leftover
+    return batches, admissions, made, leftover, now
 
 
 @settings(max_examples=150, deadline=None)
@@ -138,7 +150,7 @@ def test_no_batch_uses_a_policy_older_than_allowed_and_stale_samples_are_counted
     train_times: list[float],
     reload_times: list[float],
 ) -> None:
-    batches, admissions, made, leftover = simulate(
+    batches, admissions, made, leftover, _ = simulate(
         steps=steps,
         max_async_level=max_async_level,
         max_off_policy_steps=max_off_policy_steps,
@@ -227,7 +239,7 @@ def test_rollouts_of_equal_length_are_all_sampled_within_the_async_bound(
 ) -> None:
     """More in flight than a batch (`max_concurrent` above the batch size) once started a
     surplus on an old version that landed batches later, beyond the bound."""
-    batches, admissions, _, _ = simulate(
+    batches, admissions, _, _, _ = simulate(
         steps=steps,
         max_async_level=max_async_level,
         max_off_policy_steps=100,
@@ -241,3 +253,33 @@ def test_rollouts_of_equal_length_are_all_sampled_within_the_async_bound(
     assert [b.step for b in batches] == list(range(1, steps + 1))
     for step, version, _, _ in admissions:
         assert version >= min_policy_version(step, max_async_level), (step, version)
+
+
+def test_a_filter_that_drops_groups_costs_the_async_loop_almost_no_time() -> None:
+    """With the `difficulty` filter dropping one group in ten, or three, at random, the async
+    loop (rollouts of one length, a trainer step and a reload that take 0.3 and 1.0 of it)
+    builds 60 batches of 16 groups within 5 % of the time it takes when nothing is dropped.
+    Launches sized at the mean yield alone (no margin) took 7-15 % longer here: each batch
+    left a group short waited a whole rollout for it."""
+
+    def run(drop_rate: float, seed: int) -> float:
+        draws = random.Random(seed)
+        dropped = {gid for gid in range(5_000) if draws.random() < drop_rate}
+        *_, ended = simulate(
+            steps=60,
+            max_async_level=1,
+            max_off_policy_steps=8,
+            concurrency=1_000,
+            group_size=8,
+            groups_per_batch=16,
+            rollout_times=[1.0],
+            train_times=[0.3],
+            reload_times=[1.0],
+            dropped=dropped.__contains__,
+        )
+        return ended
+
+    undropped = run(0.0, 0)
+    for drop_rate in (0.1, 0.3):
+        for seed in (0, 1):
+            assert run(drop_rate, seed) <= 1.05 * undropped, (drop_rate, seed)

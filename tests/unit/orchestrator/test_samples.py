@@ -8,7 +8,7 @@ import math
 from engine.config.orchestrator import DifficultyFilterConfig
 from engine.envs import Rollout, Turn
 from engine.orchestrator.advantages import group_relative
-from engine.orchestrator.batch import BatchBuilder, BatchYield
+from engine.orchestrator.batch import BatchBuilder
 from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import Group, build_group
 from tests.unit.orchestrator.helpers import group
@@ -136,29 +136,24 @@ def test_token_batches_count_tokens() -> None:
     assert builder.full
 
 
-def test_rollouts_short_of_a_batch_in_samples_and_in_tokens() -> None:
-    def builder(unit: str, size: int) -> BatchBuilder:
-        return BatchBuilder(
-            1, batch_size=size, unit=unit, filters=[], max_async_level=0, max_off_policy_steps=1
-        )
-
-    samples = builder("samples", 8)
-    samples.add(group(0, [1.0, 0.0, 0.5]), served_version=0)
-    assert samples.rollouts_short(None) == 5
-    # Half the last batch's rollouts were filtered out: twice as many are needed.
-    assert samples.rollouts_short(BatchYield(16.0, 0.5)) == 10
-    tokens = builder("tokens", 40)
-    assert tokens.rollouts_short(None) == math.inf  # nothing to size a sample by yet
-    assert tokens.rollouts_short(BatchYield(16.0, 1.0)) == 3  # the last batch's: 40 / 16
-    tokens.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
-    assert tokens.rollouts_short(BatchYield(16.0, 1.0)) == 8  # this batch's own mean: 32 / 4
-
-
-def test_a_batch_yield_is_its_samples_per_rollout_and_tokens_per_sample() -> None:
-    builder = BatchBuilder(
-        1, batch_size=4, unit="samples", filters=[], max_async_level=1, max_off_policy_steps=0
+def test_what_a_batch_lacks_and_what_each_fresh_group_gave_it() -> None:
+    samples = BatchBuilder(
+        3,
+        batch_size=8,
+        unit="samples",
+        filters=build_filters([DifficultyFilterConfig()]),
+        max_async_level=1,
+        max_off_policy_steps=0,
     )
-    assert BatchYield.of(builder.batch) is None
-    builder.add(group(0, [1.0, 0.0], version=0), served_version=3)  # stale: 3 behind
-    builder.add(group(1, [1.0, 0.0]), served_version=0)
-    assert BatchYield.of(builder.batch) == BatchYield(4.0, 0.5)
+    assert samples.short_of() == 8 and samples.short_of(later_batches=2) == 24
+    samples.add(group(0, [1.0, 0.0], version=0), served_version=3)  # stale: a surplus, not counted
+    samples.add(group(1, [1.0, 0.0, 0.5], version=3), served_version=3)
+    samples.add(group(2, [0.5, 0.5], version=3), served_version=3)  # filtered out
+    samples.add(Group("env", 3, []), served_version=3)  # every rollout skipped
+    assert samples.batch.group_yields == [3.0, 0.0, 0.0]
+    assert samples.short_of() == 5
+    tokens = BatchBuilder(
+        1, batch_size=40, unit="tokens", filters=[], max_async_level=0, max_off_policy_steps=1
+    )
+    tokens.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
+    assert tokens.batch.group_yields == [8.0] and tokens.short_of() == 32

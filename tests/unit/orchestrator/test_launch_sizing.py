@@ -1,0 +1,85 @@
+"""Launch sizing: groups enough to fill the open batches at what recent groups gave, with a
+margin for the filters' drops, and exactly what is missing when every group gives alike."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.config.orchestrator import DifficultyFilterConfig
+from engine.orchestrator.batch import BatchBuilder
+from engine.orchestrator.filters import build_filters
+from engine.orchestrator.launch_sizing import MARGIN_SD, YIELD_WINDOW, LaunchSizer, groups_for
+from tests.unit.orchestrator.helpers import group
+
+
+def builder(step: int, unit: str = "samples", batch_size: int = 16) -> BatchBuilder:
+    return BatchBuilder(
+        step,
+        batch_size=batch_size,
+        unit=unit,  # type: ignore[arg-type]
+        filters=build_filters([DifficultyFilterConfig()]),
+        max_async_level=1,
+        max_off_policy_steps=8,
+    )
+
+
+def test_groups_that_all_give_alike_are_started_exactly_as_many_as_missing() -> None:
+    assert groups_for(128, [8.0] * 40) == 16
+    assert groups_for(130, [8.0]) == 17
+    assert groups_for(0, [8.0]) == 0 and groups_for(-8, [8.0]) == 0
+    assert groups_for(16, [0.0, 0.0]) == math.inf  # nothing landed gave anything
+
+
+def test_drops_add_a_margin_beyond_the_mean() -> None:
+    yields = [8.0] * 94 + [0.0] * 6  # 6 % of groups dropped, as early in the GPU reference
+    mean_only = math.ceil(128 / statistics.fmean(yields))
+    assert mean_only == 18 and groups_for(128, yields) == 20
+
+
+@given(
+    missing=st.integers(1, 2_000),
+    yields=st.lists(st.sampled_from([0.0, 4.0, 8.0, 12.0]), min_size=1, max_size=60),
+)
+def test_the_margin_is_met_by_the_fewest_groups(missing: int, yields: list[float]) -> None:
+    mean = statistics.fmean(yields)
+    wanted = groups_for(missing, yields)
+    if mean == 0:
+        assert wanted == math.inf
+        return
+    margin = MARGIN_SD * statistics.pstdev(yields)
+
+    def enough(n: int) -> bool:
+        return n * mean - margin * math.sqrt(n) >= missing - 1e-6
+
+    assert isinstance(wanted, int) and enough(wanted) and not enough(wanted - 1)
+
+
+def test_the_sizer_learns_from_recent_batches_only() -> None:
+    sizer = LaunchSizer(group_size=4, unit="samples")
+    assert sizer.groups_wanted(builder(1)) == 4  # before any group landed: 16 / 4
+    assert sizer.groups_wanted(builder(1), later_batches=1) == 8
+    for step in range(1, YIELD_WINDOW + 1):  # every other group dropped
+        batch = builder(step)
+        for gid in range(8):
+            batch.add(group(gid, [1.0, 1.0, 1.0, 1.0] if gid % 2 else [1.0, 0.0, 1.0, 0.0]), 0)
+        sizer.closed(batch.batch)
+    dropping = sizer.groups_wanted(builder(9))
+    assert dropping > 8  # twice the groups for half the yield, and a margin
+    for step in range(9, 9 + YIELD_WINDOW):  # nothing dropped any more: the drops are forgotten
+        batch = builder(step)
+        for gid in range(4):
+            batch.add(group(gid, [1.0, 0.0, 1.0, 0.0]), 0)
+        sizer.closed(batch.batch)
+    assert sizer.groups_wanted(builder(17)) == 4
+
+
+def test_a_token_batch_is_unsized_until_a_group_landed() -> None:
+    sizer = LaunchSizer(group_size=2, unit="tokens")
+    tokens = builder(1, unit="tokens", batch_size=40)
+    assert sizer.groups_wanted(tokens) == math.inf
+    tokens.add(group(0, [1.0, 0.0]), served_version=0)  # 8 tokens
+    assert sizer.groups_wanted(tokens) == 4  # 32 more tokens
