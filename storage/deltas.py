@@ -16,6 +16,12 @@ fp32 master by about 1e-6, and its bf16 cast changes only where that crosses a r
   Each array is byte-shuffled (every value's first byte, then every second byte, ...) and
   compressed with zstd: gaps of sparse changes compress to about their entropy (6 bits at 4 %
   density) and one-ulp values to 2.5 bits, about 1.1 bytes a changed entry in all.
+- **Quick to write and read.** Each array is compressed in frames of `FRAME_BYTES`, on threads,
+  and decompressed the same way. A delta is on the RL loop's critical path (the trainer writes
+  it, then the servers load it, before the next batch is sampled), and where a third of the
+  entries change (a 76M model at lr 1e-4) one frame took 0.25 s to compress and 0.33 s to
+  decompress on one core. Concatenated zstd frames decode as one, so a reader that ignores the
+  frame sizes still reads the file.
 
 A delta file is safetensors holding `gaps` and `values` (uint8, compressed) and, in its
 metadata, the format, the codec, the number of entries and the stream's `parts` in order: each
@@ -29,11 +35,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import struct
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +55,11 @@ CODEC = "zstd"
 #: zstd level 1: on shuffled gaps and values levels 3 and 6 save under 1 % and run 1.3-5x slower.
 _LEVEL = 1
 _GAP_BYTES = 4
+#: Raw bytes per zstd frame: large enough that a frame's overhead is nothing (a few bytes), small
+#: enough that a 76M model's dense delta (144 MB raw) spreads over every thread.
+FRAME_BYTES = 4 << 20
+#: Threads that compress and decompress frames (zstd releases the GIL).
+_FRAME_THREADS = min(8, os.cpu_count() or 1)
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
 _BITS: dict[torch.dtype, torch.dtype] = {
     torch.bfloat16: torch.int16,
@@ -127,18 +141,57 @@ class Delta:
     count: int
     gaps: bytes
     values: bytes
+    #: Compressed size of each zstd frame of `gaps` and of `values`; every frame but the last
+    #: holds `frame_bytes` raw bytes. Empty: one frame (and files written before frames).
+    gaps_frames: tuple[int, ...] = ()
+    values_frames: tuple[int, ...] = ()
+    frame_bytes: int = 0
 
 
-def compress_entries(parts: Iterable[Part], packed: np.ndarray, count: int) -> Delta:
-    """Compress `pack_entries`' bytes (on the host) into a `Delta` over `parts`."""
+@cache
+def _threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_FRAME_THREADS, thread_name_prefix="delta-frames")
+
+
+def _compress(data: np.ndarray, frame_bytes: int) -> tuple[bytes, tuple[int, ...]]:
+    """`data` as zstd frames of `frame_bytes` raw bytes each, compressed on threads; the
+    frames' compressed sizes."""
     codec = pa.Codec(CODEC, compression_level=_LEVEL)
+    frames = [data[i : i + frame_bytes] for i in range(0, len(data), frame_bytes)] or [data]
+    blobs = list(_threads().map(lambda frame: codec.compress(frame, asbytes=True), frames))
+    return b"".join(blobs), tuple(len(blob) for blob in blobs)
+
+
+def _decompress(data: bytes, size: int, frames: Sequence[int], frame_bytes: int) -> np.ndarray:
+    """The `size` raw bytes of `data`, its frames (compressed sizes `frames`, each but the
+    last `frame_bytes` raw) decompressed on threads; one frame when `frames` has at most one."""
+    codec = pa.Codec(CODEC)
+    if len(frames) <= 1:
+        return np.frombuffer(codec.decompress(data, size, asbytes=False), dtype=np.uint8)
+    if sum(frames) != len(data) or not 0 < size - frame_bytes * (len(frames) - 1) <= frame_bytes:
+        raise ValueError(f"frames {list(frames)} of {frame_bytes} bytes do not fit the data")
+    out = np.empty(size, dtype=np.uint8)
+    starts = [0, *itertools.accumulate(frames)]
+
+    def one(index: int) -> None:
+        raw = min(frame_bytes, size - index * frame_bytes)
+        frame = data[starts[index] : starts[index + 1]]
+        decoded = codec.decompress(frame, raw, asbytes=False)
+        out[index * frame_bytes : index * frame_bytes + raw] = np.frombuffer(decoded, np.uint8)
+
+    list(_threads().map(one, range(len(frames))))
+    return out
+
+
+def compress_entries(
+    parts: Iterable[Part], packed: np.ndarray, count: int, frame_bytes: int = FRAME_BYTES
+) -> Delta:
+    """Compress `pack_entries`' bytes (on the host) into a `Delta` over `parts`, each array
+    in frames of `frame_bytes`."""
     split = count * _GAP_BYTES
-    return Delta(
-        parts=tuple(parts),
-        count=count,
-        gaps=codec.compress(packed[:split], asbytes=True),
-        values=codec.compress(packed[split:], asbytes=True),
-    )
+    gaps, gaps_frames = _compress(packed[:split], frame_bytes)
+    values, values_frames = _compress(packed[split:], frame_bytes)
+    return Delta(tuple(parts), count, gaps, values, gaps_frames, values_frames, frame_bytes)
 
 
 def delta_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> Delta:
@@ -182,6 +235,10 @@ def encode_delta_file(delta: Delta) -> Pieces:
         "count": str(delta.count),
         "parts": json.dumps(described),
     }
+    if delta.frame_bytes:
+        metadata["frames"] = json.dumps(
+            {"bytes": delta.frame_bytes, "gaps": delta.gaps_frames, "values": delta.values_frames}
+        )
     return safetensors_pieces(tensors, metadata)
 
 
@@ -211,7 +268,16 @@ def read_delta_file(data: bytes, what: str) -> Delta:
             )
             for entry in json.loads(metadata["parts"])
         )
-        return Delta(parts, int(metadata["count"]), blob("gaps"), blob("values"))
+        frames = json.loads(metadata.get("frames", '{"bytes": 0, "gaps": [], "values": []}'))
+        return Delta(
+            parts,
+            int(metadata["count"]),
+            blob("gaps"),
+            blob("values"),
+            tuple(int(size) for size in frames["gaps"]),
+            tuple(int(size) for size in frames["values"]),
+            int(frames["bytes"]),
+        )
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise ValueError(f"{what} is not a {FORMAT} file: {exc}") from exc
 
@@ -232,17 +298,16 @@ def decode_delta(
     if len(dtypes) != 1:
         raise ValueError(f"a delta stream holds one dtype, not {sorted(map(str, dtypes))}")
     itemsize = torch.empty((), dtype=dtypes.pop()).element_size()
-    codec = pa.Codec(CODEC)
 
-    def planes(data: bytes, width: int) -> torch.Tensor:
-        raw = codec.decompress(data, delta.count * width, asbytes=False)
+    def planes(data: bytes, width: int, frames: tuple[int, ...]) -> torch.Tensor:
+        raw = _decompress(data, delta.count * width, frames, delta.frame_bytes)
         with warnings.catch_warnings():  # read-only buffer: read here, never written
             warnings.simplefilter("ignore", UserWarning)
-            host = torch.frombuffer(raw, dtype=torch.uint8) if delta.count else _NO_BYTES
+            host = torch.from_numpy(raw) if delta.count else _NO_BYTES
         return _unshuffle(host.to(device), width)
 
-    positions = torch.cumsum(planes(delta.gaps, _GAP_BYTES) + 1, 0) - 1
-    zigzag = planes(delta.values, itemsize)
+    positions = torch.cumsum(planes(delta.gaps, _GAP_BYTES, delta.gaps_frames) + 1, 0) - 1
+    zigzag = planes(delta.values, itemsize, delta.values_frames)
     signed = (zigzag >> 1) ^ -(zigzag & 1)
     sizes = [part.size for part in delta.parts]
     starts = [0, *itertools.accumulate(sizes)]

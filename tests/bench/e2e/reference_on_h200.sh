@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 30 item 2's paired comparison on one GPU, most needed first, for a device call chain
-# that may be cut short. From one SFT checkpoint: primeflow with dynamic sampling on three vLLM
-# servers (the sampling rate is what the twelfth session found left to raise: two servers
-# sampled 1.64x one), then TRL's GRPOTrainer, then primeflow on four servers and primeflow
-# without the filter (the pairing `configs/reverse_text/gpu.toml` needs before it ships the
-# filter); the GPU tests last. TRL comes as its wheel (no package index on the GPU machine):
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 trl==1.16.0` here, carried
-# with the call, installed into ../shared/gpu-vllm's /tmp/site. Run it through across_calls.sh
-# (call again until it prints `ended`):
+# that may be cut short. First the policy delta in frames against one frame (half a minute).
+# Then, from one SFT checkpoint: primeflow with dynamic sampling on three vLLM servers; TRL's
+# GRPOTrainer; primeflow without the filter (what the filter costs in wall time, the pairing
+# `configs/reverse_text/gpu.toml` needs before it ships the filter), with the filter and 384
+# rollouts in flight, and with it on four servers (a pool of its own, started once the
+# three-server one has stopped). The GPU tests last. TRL comes as its wheel (no package index
+# on the GPU machine): `pip download --no-deps --only-binary=:all: --python-version 3.12
+# trl==1.16.0` here, carried with the call, installed into ../shared/gpu-vllm's /tmp/site. Run
+# it through across_calls.sh (call again until it prints `ended`):
 #   bash tests/bench/e2e/across_calls.sh /tmp/s bash tests/bench/e2e/reference_on_h200.sh \
 #     /tmp/s .gpu-trl/trl-1.16.0-py3-none-any.whl
 set -uo pipefail
@@ -15,13 +16,16 @@ WORK=$1
 TRL_WHEEL=$2
 python3 -m pip install --no-index --no-deps --target /tmp/site "$TRL_WHEEL" \
   > "$WORK/trl-install.txt" 2>&1 || echo "TRL's install failed: $WORK/trl-install.txt"
+python3 -m tests.bench.storage.bench_delta_frames --device cuda > "$WORK/delta-frames.txt" 2>&1
+echo "delta frames rc=$?"
 FILTER='[{"type":"difficulty"}]'
 REFERENCE=(python3 -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml
   --sft-steps 100 --steps 150 --eval-every 25 --trl-python python3)
 THREE=(--inference.num-servers 3 --inference.gpu-ids 0 0 0 --inference.gpu-memory-utilization 0.1)
 FOUR='--inference.num-servers 4 --inference.gpu-ids 0 0 0 0 --inference.gpu-memory-utilization 0.08'
 "${REFERENCE[@]}" --workdir "$WORK/ref" --out "$WORK/reference.json" \
-  --arm "four-servers=$FOUR" --arm 'no-filter=--orchestrator.filters []' \
+  --arm 'no-filter=--orchestrator.filters []' --arm 'filter-384=--orchestrator.max-concurrent 384' \
+  --arm "four-servers=$FOUR" \
   -- "${THREE[@]}" --orchestrator.filters "$FILTER" --orchestrator.max-concurrent 256
 echo "reference rc=$?"
 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_rl_gpu.py tests/gpu/test_deltas_gpu.py \

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -107,3 +110,28 @@ def test_a_delta_for_another_tensor_is_refused() -> None:
     with pytest.raises(ValueError, match="deltas support"):
         changed_entries(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
     assert torch.equal(old, torch.zeros(4, 4, dtype=torch.bfloat16))  # nothing half-applied
+
+
+def test_a_delta_of_many_frames_reads_as_one_of_one_frame() -> None:
+    """Frames are compressed and decompressed on threads; concatenated they decode as one,
+    so a reader that ignores their sizes reads the file too."""
+    generator = torch.Generator().manual_seed(2)
+    old = torch.randn(64, 64, generator=generator).bfloat16()
+    new = (old.float() + 0.05 * torch.randn(64, 64, generator=generator)).bfloat16()
+    positions, zigzag = changed_entries(old.reshape(-1), new.reshape(-1))
+    packed = pack_entries(positions, zigzag, 2).numpy()
+    part = Part("w", (64, 64), torch.bfloat16, 0, 64 * 64)
+    framed = read_delta_file(
+        file_bytes(compress_entries([part], packed, positions.numel(), frame_bytes=1000)), "f"
+    )
+    assert len(framed.gaps_frames) == math.ceil(positions.numel() * 4 / 1000) > 4
+    single = compress_entries([part], packed, positions.numel(), frame_bytes=len(packed))
+    assert len(single.gaps_frames) == len(single.values_frames) == 1
+    unframed = dataclasses.replace(framed, gaps_frames=(), values_frames=(), frame_bytes=0)
+    for delta in (framed, single, unframed):
+        rebuilt = old.clone()
+        apply_delta({"w": rebuilt}, delta)
+        assert torch.equal(bits(rebuilt), bits(new))
+    broken = dataclasses.replace(framed, gaps_frames=framed.gaps_frames[:-1])
+    with pytest.raises(ValueError, match="do not fit the data"):
+        decode_delta(broken)
