@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from engine.config.orchestrator import DifficultyFilterConfig
 from engine.envs import TokenSequence
+from engine.orchestrator.batch import BatchBuilder
+from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import Group, TrainSample
 
 #: Each sample is a rollout of its own unless a test says otherwise.
@@ -50,3 +53,17 @@ def group(group_id: int, rewards: list[float], version: int = 0) -> Group:
         sample(group_id=group_id, reward=r, advantage=r - mean, version=version) for r in rewards
     ]
     return Group(env="env", group_id=group_id, samples=samples, rollouts=len(rewards))
+
+
+def difficulty_builder(
+    step: int, batch_size: int, *, unit: str = "samples", max_off_policy_steps: int = 8
+) -> BatchBuilder:
+    """Batch `step` of `batch_size` with the `difficulty` filter, one step of asynchrony."""
+    return BatchBuilder(
+        step,
+        batch_size=batch_size,
+        unit=unit,  # type: ignore[arg-type]
+        filters=build_filters([DifficultyFilterConfig()]),
+        max_async_level=1,
+        max_off_policy_steps=max_off_policy_steps,
+    )

@@ -9,22 +9,8 @@ import statistics
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.config.orchestrator import DifficultyFilterConfig
-from engine.orchestrator.batch import BatchBuilder
-from engine.orchestrator.filters import build_filters
 from engine.orchestrator.launch_sizing import MARGIN_SD, YIELD_WINDOW, LaunchSizer, groups_for
-from tests.unit.orchestrator.helpers import group
-
-
-def builder(step: int, unit: str = "samples", batch_size: int = 16) -> BatchBuilder:
-    return BatchBuilder(
-        step,
-        batch_size=batch_size,
-        unit=unit,  # type: ignore[arg-type]
-        filters=build_filters([DifficultyFilterConfig()]),
-        max_async_level=1,
-        max_off_policy_steps=8,
-    )
+from tests.unit.orchestrator.helpers import difficulty_builder, group
 
 
 def test_groups_that_all_give_alike_are_started_exactly_as_many_as_missing() -> None:
@@ -60,26 +46,26 @@ def test_the_margin_is_met_by_the_fewest_groups(missing: int, yields: list[float
 
 def test_the_sizer_learns_from_recent_batches_only() -> None:
     sizer = LaunchSizer(group_size=4, unit="samples")
-    assert sizer.groups_wanted(builder(1)) == 4  # before any group landed: 16 / 4
-    assert sizer.groups_wanted(builder(1), later_batches=1) == 8
+    assert sizer.groups_wanted(difficulty_builder(1, 16)) == 4  # before any group landed: 16 / 4
+    assert sizer.groups_wanted(difficulty_builder(1, 16), later_batches=1) == 8
     for step in range(1, YIELD_WINDOW + 1):  # every other group dropped
-        batch = builder(step)
+        batch = difficulty_builder(step, 16)
         for gid in range(8):
             batch.add(group(gid, [1.0, 1.0, 1.0, 1.0] if gid % 2 else [1.0, 0.0, 1.0, 0.0]), 0)
         sizer.closed(batch.batch)
-    dropping = sizer.groups_wanted(builder(9))
+    dropping = sizer.groups_wanted(difficulty_builder(9, 16))
     assert dropping > 8  # twice the groups for half the yield, and a margin
     for step in range(9, 9 + YIELD_WINDOW):  # nothing dropped any more: the drops are forgotten
-        batch = builder(step)
+        batch = difficulty_builder(step, 16)
         for gid in range(4):
             batch.add(group(gid, [1.0, 0.0, 1.0, 0.0]), 0)
         sizer.closed(batch.batch)
-    assert sizer.groups_wanted(builder(17)) == 4
+    assert sizer.groups_wanted(difficulty_builder(17, 16)) == 4
 
 
 def test_a_token_batch_is_unsized_until_a_group_landed() -> None:
     sizer = LaunchSizer(group_size=2, unit="tokens")
-    tokens = builder(1, unit="tokens", batch_size=40)
+    tokens = difficulty_builder(1, 40, unit="tokens")
     assert sizer.groups_wanted(tokens) == math.inf
     tokens.add(group(0, [1.0, 0.0]), served_version=0)  # 8 tokens
     assert sizer.groups_wanted(tokens) == 4  # 32 more tokens

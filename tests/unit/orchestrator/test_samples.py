@@ -5,13 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from engine.config.orchestrator import DifficultyFilterConfig
 from engine.envs import Rollout, Turn
 from engine.orchestrator.advantages import group_relative
 from engine.orchestrator.batch import BatchBuilder
-from engine.orchestrator.filters import build_filters
 from engine.orchestrator.samples import Group, build_group
-from tests.unit.orchestrator.helpers import group
+from tests.unit.orchestrator.helpers import difficulty_builder, group
 
 
 def turn(prompt: tuple[int, ...], completion: tuple[int, ...], version: int = 0) -> Turn:
@@ -89,14 +87,7 @@ def test_a_reply_that_never_ended_counts_with_the_truncated_reward() -> None:
 
 
 def test_batches_close_on_whole_groups_and_count_what_they_left_out() -> None:
-    builder = BatchBuilder(
-        3,
-        batch_size=4,
-        unit="samples",
-        filters=build_filters([DifficultyFilterConfig()]),
-        max_async_level=1,
-        max_off_policy_steps=1,
-    )
+    builder = difficulty_builder(3, 4, max_off_policy_steps=1)
     behind = group(0, [1.0, 0.0, 0.0], version=0)
     assert builder.add(behind, served_version=2) == "stale"  # 2 behind
     assert builder.add(group(1, [0.5, 0.5, 0.5], version=1), served_version=2) == "filtered"
@@ -137,14 +128,7 @@ def test_token_batches_count_tokens() -> None:
 
 
 def test_what_a_batch_lacks_and_what_each_fresh_group_gave_it() -> None:
-    samples = BatchBuilder(
-        3,
-        batch_size=8,
-        unit="samples",
-        filters=build_filters([DifficultyFilterConfig()]),
-        max_async_level=1,
-        max_off_policy_steps=0,
-    )
+    samples = difficulty_builder(3, 8, max_off_policy_steps=0)
     assert samples.short_of() == 8 and samples.short_of(later_batches=2) == 24
     samples.add(group(0, [1.0, 0.0], version=0), served_version=3)  # stale: a surplus, not counted
     samples.add(group(1, [1.0, 0.0, 0.5], version=3), served_version=3)
