@@ -8,7 +8,7 @@ short about half the time, and each shortfall costs a whole rollout's latency: t
 group starts only once a dropped one has come back. On one H100, with the `difficulty` filter
 dropping 1-3 of ~18 groups a batch, the batches that lost 2 or more took 0.8-0.9 s against
 0.54 s for those that lost none, and the filter made the 150 RL steps 1.33× as long
-(docs/benchmarks.md, "The paired reference, three servers").
+(docs/benchmarks.md, "The paired reference on three servers").
 
 So launches are sized at the mean and the spread of what each group gave the last
 `YIELD_WINDOW` batches, with `MARGIN_SD` standard deviations of margin: N groups are started
