@@ -2,7 +2,8 @@
 in the style of wiki-search, with no network.
 
 The corpus is generated: one page per town, titled `Town (region)`, each saying which river
-the town lies on, who its mayor is and what it is known for. A question names the town and
+the town lies on, who its mayor is and what it is known for; 160 towns, or `middles` × 160
+with middle syllables in their names. A question names the town and
 asks one fact. `search(query)` ranks the pages by how many of the query's words they hold
 (a local inverted index) and returns the best titles; `read(title)` returns a page, by its
 exact title, so the model must search before it can read, then answer in `<answer>` tags.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import random
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -48,6 +50,10 @@ _STARTS = (
     "Kel", "Lor", "Mar", "Nor", "Pen", "Ros", "Tal", "Wen",
 )  # fmt: skip
 _ENDS = ("brook", "by", "ford", "ham", "ley", "mere", "ston", "wick", "dale", "combe")
+#: Middle syllables: `middles` of them make `middles` × 160 towns. The first is none: one
+#: middle is the corpus every measurement so far used; more leave fewer facts per name for a
+#: policy to memorise in place of searching (160 towns held the 360 train questions' answers).
+MIDDLES = ("", "ar", "en", "il", "o", "un", "es", "ath")
 #: Titles `search` returns at most.
 TOP_K = 3
 #: The most an answer other than the fact earns.
@@ -90,58 +96,72 @@ QUESTIONS = (
 
 
 @cache
-def corpus() -> tuple[Page, ...]:
-    """Every town of the name parts once, with facts drawn from a fixed seed."""
+def corpus(middles: int = 1) -> tuple[Page, ...]:
+    """Every town of the name parts once, with facts drawn from a fixed seed: the first
+    `middles` of `MIDDLES`, in order, so a larger corpus starts with every smaller one."""
+    if not 1 <= middles <= len(MIDDLES):
+        raise ValueError(f"corpus-search has 1 to {len(MIDDLES)} middle syllables, not {middles}")
     rng = random.Random(7)
     return tuple(
         Page(
-            town=start + end,
+            town=start + middle + end,
             region=rng.choice(REGIONS),
             river=rng.choice(WORDS),
             mayor=rng.choice(NAMES),
             known_for=rng.choice(WORDS),
         )
+        for middle in MIDDLES[:middles]
         for start in _STARTS
         for end in _ENDS
     )
 
 
 @cache
-def _index() -> dict[str, set[int]]:
-    """Word → the pages (by position in `corpus()`) whose title or text holds it."""
+def _index(middles: int) -> dict[str, set[int]]:
+    """Word → the pages (by position in `corpus(middles)`) whose title or text holds it."""
     index: dict[str, set[int]] = defaultdict(set)
-    for position, page in enumerate(corpus()):
+    for position, page in enumerate(corpus(middles)):
         for word in _WORD.findall(f"{page.title} {page.text}".lower()):
             index[word].add(position)
     return dict(index)
 
 
-def search(query: str) -> str:
-    """Find pages by words: returns the best matching page titles.
+def tools(middles: int = 1) -> list[Callable[[str], str]]:
+    """`search` and `read` over `corpus(middles)`: their names, arguments and docstrings are
+    the tool schemas the model sees, the same for every corpus."""
+    pages = corpus(middles)
 
-    Args:
-        query: words to look for, e.g. "Ambrook"
-    """
-    hits: dict[int, int] = defaultdict(int)
-    for word in set(_WORD.findall(query.lower())):
-        for position in _index().get(word, ()):
-            hits[position] += 1
-    if not hits:
-        return "no pages found"
-    best = sorted(hits, key=lambda position: (-hits[position], position))[:TOP_K]
-    return "\n".join(corpus()[position].title for position in best)
+    def search(query: str) -> str:
+        """Find pages by words: returns the best matching page titles.
+
+        Args:
+            query: words to look for, e.g. "Ambrook"
+        """
+        hits: dict[int, int] = defaultdict(int)
+        for word in set(_WORD.findall(query.lower())):
+            for position in _index(middles).get(word, ()):
+                hits[position] += 1
+        if not hits:
+            return "no pages found"
+        best = sorted(hits, key=lambda position: (-hits[position], position))[:TOP_K]
+        return "\n".join(pages[position].title for position in best)
+
+    def read(title: str) -> str:
+        """Read a page by its exact title.
+
+        Args:
+            title: a title that search returned
+        """
+        for page in pages:
+            if page.title == title.strip():
+                return page.text
+        return f"no page titled {title!r}"
+
+    return [search, read]
 
 
-def read(title: str) -> str:
-    """Read a page by its exact title.
-
-    Args:
-        title: a title that search returned
-    """
-    for page in corpus():
-        if page.title == title.strip():
-            return page.text
-    return f"no page titled {title!r}"
+#: The tools over the corpus every measurement so far used.
+search, read = tools()
 
 
 #: A question: its text, the page it is about, and the answer.
@@ -160,11 +180,14 @@ def questions(pages: list[Page]) -> list[Question]:
     ]
 
 
-def make_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[Question], list[Question]]:
-    """(train, eval) questions about disjoint towns, so eval tests the search-and-read skill
-    and not what training saw of a page. `seed` orders train; eval is the same for every seed.
+def make_splits(
+    num_train: int, num_eval: int, seed: int, middles: int = 1
+) -> tuple[list[Question], list[Question]]:
+    """(train, eval) questions about disjoint towns of `corpus(middles)`, so eval tests the
+    search-and-read skill and not what training saw of a page. `seed` orders train; eval is
+    the same for every seed.
     """
-    pages = corpus()
+    pages = corpus(middles)
     train = questions([p for i, p in enumerate(pages) if i % HELD_OUT])
     held_out = questions([p for i, p in enumerate(pages) if not i % HELD_OUT])
     if num_train > len(train) or num_eval > len(held_out):
@@ -209,23 +232,24 @@ def above_guess(alike: float) -> float:
 
 
 def sft_examples(
-    num_examples: int, seed: int = 0, system_prompt: str = SYSTEM_PROMPT
+    num_examples: int, seed: int = 0, system_prompt: str = SYSTEM_PROMPT, middles: int = 1
 ) -> list[dict[str, Any]]:
     """Gold tool conversations on train-split questions: search the town, read its page,
     answer."""
-    train, _ = make_splits(num_examples, 0, seed)
-    tools = tool_schemas([search, read])
+    train, _ = make_splits(num_examples, 0, seed, middles)
+    search_tool, read_tool = tools(middles)
+    schemas = tool_schemas([search_tool, read_tool])
     return [
         {
             "messages": [
                 *single_turn_prompt(question, system_prompt),
                 tool_call("call_0", "search", query=page.town),
-                tool_result("call_0", search(page.town)),
+                tool_result("call_0", search_tool(page.town)),
                 tool_call("call_1", "read", title=page.title),
-                tool_result("call_1", read(page.title)),
+                tool_result("call_1", read_tool(page.title)),
                 {"role": "assistant", "content": f"<answer>{answer}</answer>"},
             ],
-            "tools": tools,
+            "tools": schemas,
         }
         for question, page, answer in train
     ]
@@ -237,8 +261,10 @@ def load_environment(
     seed: int = 0,
     max_turns: int = 4,
     system_prompt: str = SYSTEM_PROMPT,
+    middles: int = 1,
 ) -> vf.Environment:
-    """A verifiers tool environment over the local corpus, with `search` and `read`."""
+    """A verifiers tool environment over the local corpus of `middles` × 160 towns, with
+    `search` and `read`."""
     from datasets import Dataset
 
     def rows(questions: list[Question]) -> Dataset:
@@ -254,12 +280,12 @@ def load_environment(
         )
 
     def splits() -> tuple[list[Question], list[Question]]:
-        return make_splits(num_train_examples, num_eval_examples, seed)
+        return make_splits(num_train_examples, num_eval_examples, seed, middles)
 
     rubric = vf.Rubric(funcs=[near_fact])
     rubric.add_metric(exact_fact)
     return vf.ToolEnv(
-        tools=[search, read],
+        tools=tools(middles),
         dataset=lambda: rows(splits()[0]),
         eval_dataset=lambda: rows(splits()[1]),
         rubric=rubric,

@@ -58,6 +58,23 @@ def test_corpus_search_finds_the_asked_town_first_and_splits_towns() -> None:
         corpus_search.make_splits(361, 10, seed=0)
 
 
+def test_a_larger_corpus_starts_with_the_default_one_and_its_tools_search_it() -> None:
+    default, larger = corpus_search.corpus(), corpus_search.corpus(len(corpus_search.MIDDLES))
+    assert larger[: len(default)] == default  # every measurement's corpus, unchanged
+    assert len({page.town for page in larger}) == len(larger) == 8 * 160
+    search, read = corpus_search.tools(len(corpus_search.MIDDLES))
+    for page in larger[::37]:
+        assert search(f"What is {page.town} known for?").splitlines()[0] == page.title
+        assert read(page.title) == page.text
+    assert corpus_search.read(larger[-1].title).startswith("no page titled")  # not in 160
+    train, held_out = corpus_search.make_splits(2880, 960, seed=0, middles=8)
+    assert not {p.town for _, p, _ in train} & {p.town for _, p, _ in held_out}
+    rows = corpus_search.sft_examples(4, middles=8)
+    assert rows[0]["tools"] == corpus_search.sft_examples(4)[0]["tools"]  # same schemas
+    with pytest.raises(ValueError, match="1 to 8 middle syllables"):
+        corpus_search.corpus(9)
+
+
 def test_wordle_marks_follow_the_game_with_repeated_letters() -> None:
     assert wordle.marks("bank", "bark") == "BA.K"
     assert wordle.marks("ball", "lamb") == "bAl."  # one l elsewhere, the second l absent
@@ -105,6 +122,7 @@ def _demonstrated_reward(module: Any, row: dict[str, Any], payload: dict[str, An
     [
         ("tool-math", tool_math, {"num_train_examples": 6}),
         ("corpus-search", corpus_search, {"num_train_examples": 6}),
+        ("corpus-search", corpus_search, {"num_train_examples": 6, "middles": 8}),
         ("wordle", wordle, {"num_train_examples": 6}),
     ],
 )
@@ -112,7 +130,8 @@ def test_a_demonstration_replayed_is_the_rollout_sft_trains_on(
     env_id: str, module: Any, args: dict[str, Any], hf_tokenizer: Any, policy: Any, generator: Any
 ) -> None:
     env = load_environment(EnvConfig(id=env_id, args=args))
-    rows = module.sft_examples(num_examples=6)
+    sft_args = {key: value for key, value in args.items() if key != "num_train_examples"}
+    rows = module.sft_examples(num_examples=6, **sft_args)
     for index, row in enumerate(rows):
         sft_ids, sft_mask = tokenize_conversation(
             hf_tokenizer, row["messages"], f"row {index}", row.get("tools")
