@@ -39,6 +39,10 @@ COMBINATIONS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("agentic/tool_math.toml", "agentic/on_gpu.toml")),
     ("pipeline", ("agentic/tool_math.toml", "agentic/on_gpu.toml", "agentic/tool_math_gpu.toml")),
     ("pipeline", ("agentic/corpus_search.toml", "agentic/on_gpu.toml")),
+    (
+        "pipeline",
+        ("agentic/corpus_search.toml", "agentic/on_gpu.toml", "agentic/corpus_search_gpu.toml"),
+    ),
     ("pipeline", ("agentic/wordle.toml", "agentic/on_gpu.toml")),
     ("sft", ("multi_tenant/base.toml",)),
     ("pools up", ("multi_tenant/pools.toml",)),
