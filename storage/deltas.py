@@ -194,8 +194,11 @@ def compress_entries(
     return Delta(tuple(parts), count, gaps, values, gaps_frames, values_frames, frame_bytes)
 
 
-def delta_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> Delta:
-    """The delta from whole tensors `old` to `new` (one dtype), wherever they lie."""
+def packed_between(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> tuple[tuple[Part, ...], np.ndarray, int]:
+    """What `compress_entries` takes for the delta from whole tensors `old` to `new` (one
+    dtype), wherever they lie: the parts, the packed bytes on the host and the entries changed."""
     parts = tuple(
         Part(name, tuple(tensor.shape), tensor.dtype, 0, tensor.numel())
         for name, tensor in new.items()
@@ -207,7 +210,12 @@ def delta_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     packed = pack_entries(positions, zigzag, stream_old.element_size())
     if packed is None:
         raise ValueError("a run of 2**32 unchanged entries is too long for a delta")
-    return compress_entries(parts, packed.cpu().numpy(), positions.numel())
+    return parts, packed.cpu().numpy(), positions.numel()
+
+
+def delta_between(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> Delta:
+    """The delta from whole tensors `old` to `new` (one dtype), wherever they lie."""
+    return compress_entries(*packed_between(old, new))
 
 
 def encode_delta_file(delta: Delta) -> Pieces:

@@ -23,47 +23,11 @@ import argparse
 import json
 import os
 import statistics
-import time
-from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from storage.deltas import (
-    FRAME_BYTES,
-    Delta,
-    Part,
-    changed_entries,
-    compress_entries,
-    decode_delta,
-    pack_entries,
-)
-from tests.bench.inference.bench_delta_apply import next_version, weights
-
-
-def packed_stream(density: float, layers: int) -> tuple[list[Part], np.ndarray, int]:
-    """The parts, packed bytes and count of the delta between two versions, as one stream."""
-    old = weights(layers, "cpu")
-    new = next_version(old, density)
-    parts = [Part(name, tuple(t.shape), t.dtype, 0, t.numel()) for name, t in new.items()]
-    flat_old = torch.cat([t.reshape(-1) for t in old.values()])
-    positions, zigzag = changed_entries(flat_old, torch.cat([t.reshape(-1) for t in new.values()]))
-    packed = pack_entries(positions, zigzag, flat_old.element_size())
-    assert packed is not None
-    return parts, packed.numpy(), positions.numel()
-
-
-def decoded(delta: Delta, device: str) -> list[tuple[Part, torch.Tensor, torch.Tensor]]:
-    entries = decode_delta(delta, device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return entries
-
-
-def seconds(action: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
+from storage.deltas import FRAME_BYTES, Delta, compress_entries, decode_delta, packed_between
+from tests.bench.inference.bench_delta_apply import next_version, timed, weights
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -73,18 +37,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="where the deltas are decoded")
     args = parser.parse_args(argv)
-    parts, packed, count = packed_stream(args.density, args.layers)
+    old = weights(args.layers, "cpu")
+    parts, packed, count = packed_between(old, next_version(old, args.density))
     frame_sizes = {"frames": FRAME_BYTES, "one": len(packed)}
     deltas: dict[str, Delta] = {}
     compress: dict[str, list[float]] = {way: [] for way in frame_sizes}
     decode: dict[str, list[float]] = {way: [] for way in frame_sizes}
     for repeat in range(args.repeats):
         for way in sorted(frame_sizes, reverse=repeat % 2 == 1):
-            started = time.perf_counter()
-            deltas[way] = compress_entries(parts, packed, count, frame_sizes[way])
-            compress[way].append(time.perf_counter() - started)
+
+            def compressed(way: str = way) -> None:
+                deltas[way] = compress_entries(parts, packed, count, frame_sizes[way])
+
+            compress[way].append(timed(compressed, "cpu"))
         for way in sorted(frame_sizes, reverse=repeat % 2 == 0):
-            decode[way].append(seconds(lambda way=way: decoded(deltas[way], args.device)))
+            decode[way].append(
+                timed(lambda way=way: decode_delta(deltas[way], args.device), args.device)
+            )
     for (_, one_positions, one_signed), (_, positions, signed) in zip(
         decode_delta(deltas["one"]), decode_delta(deltas["frames"]), strict=True
     ):
