@@ -142,6 +142,16 @@ class OrchestratorConfig(BaseConfig):
             "within the async bound still lack.",
         ),
     ] = 64
+    launch_margin_sd: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="Standard deviations of margin when starting groups for batches a "
+            "filter drops groups from: a batch rarely waits a whole rollout for a group it "
+            "lacks, but the surplus lands in the next batch, a version further behind "
+            "(docs/algorithms.md). 0 starts them at the mean of what recent groups gave.",
+        ),
+    ] = 0.0
     poll_interval_s: Annotated[
         float,
         Field(

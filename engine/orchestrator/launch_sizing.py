@@ -1,20 +1,24 @@
-"""How many groups to start for the batches still open: enough that a filter's drops rarely
-leave a batch short.
+"""How many groups to start for the batches still open, and with what margin for the groups
+a filter drops.
 
 A batch is full at `batch_size` samples (or tokens), and a group gives it what the filters
 and the async bound let through: all its samples, none (dropped as too easy or too hard,
-stale) or more (a multi-turn rollout split into rows). Sized at the mean alone, a batch falls
-short about half the time, and each shortfall costs a whole rollout's latency: the missing
-group starts only once a dropped one has come back. On one H100, with the `difficulty` filter
-dropping 1-3 of ~18 groups a batch, the batches that lost 2 or more took 0.8-0.9 s against
-0.54 s for those that lost none, and the filter made the 150 RL steps 1.33× as long
-(docs/benchmarks.md, "The paired reference on three servers").
+stale) or more (a multi-turn rollout split into rows). Launches are sized at the mean of what
+each group gave the last `YIELD_WINDOW` batches: N groups are started where N·mean reaches what
+is missing. Without filters (and single-turn) every group gives the same and N is exact.
 
-So launches are sized at the mean and the spread of what each group gave the last
-`YIELD_WINDOW` batches, with `MARGIN_SD` standard deviations of margin: N groups are started
-where N·mean − MARGIN_SD·sd·√N reaches what is missing. Without filters (and single-turn)
-every group gives the same, the spread is zero and N is what it always was: no surplus lands
-further behind the async bound. A surplus group goes into the next batch, one version later.
+With a filter, a batch sized at the mean falls short about half the time, and each shortfall
+costs a whole rollout's latency: the missing group starts only once a dropped one has come
+back. On one H100, with the `difficulty` filter dropping 1-3 of ~18 groups a batch, the batches
+that lost 2 or more took 0.8-0.9 s against 0.54 s for those that lost none. A margin of
+`margin_sd` standard deviations of that yield (`orchestrator.launch_margin_sd`: N·mean −
+margin_sd·sd·√N reaches what is missing) makes that rare, but its surplus goes into the next
+batch, two versions behind the trainer instead of one. In the loop's discrete-event model
+(`tests/unit/orchestrator/test_async_bound.py`), with 10-30 % of groups dropped, 60 batches took
+1.07-1.15x the time of none dropped, and 1.01-1.03x with 2 SD of margin, which raised the share
+of samples two versions behind from 8-12 % to 22-34 %. On the GPU both runs with that margin
+fell hard once, where none of the three without it had (docs/benchmarks.md): the margin is
+off by default.
 """
 
 from __future__ import annotations
@@ -31,12 +35,10 @@ from engine.orchestrator.batch import BatchBuilder, StepBatch
 #: groups on the GPU recipe), few enough to follow a drop rate that climbs as the policy
 #: learns (6 % to 40 % of groups over 150 steps of the GPU reference run).
 YIELD_WINDOW = 8
-#: Standard deviations of margin: a batch falls short about 2 % of the time.
-MARGIN_SD = 2.0
 
 
-def groups_for(missing: float, yields: Sequence[float]) -> float:
-    """Groups that give `missing` (samples or tokens) with `MARGIN_SD` deviations of margin,
+def groups_for(missing: float, yields: Sequence[float], margin_sd: float) -> float:
+    """Groups that give `missing` (samples or tokens) with `margin_sd` deviations of margin,
     each giving what one of `yields` gave; infinity when none gave anything (e.g. every group
     dropped so far: start as many as may be in flight)."""
     if missing <= 0:
@@ -44,7 +46,7 @@ def groups_for(missing: float, yields: Sequence[float]) -> float:
     mean = statistics.fmean(yields)
     if mean <= 0:
         return math.inf
-    margin = MARGIN_SD * statistics.pstdev(yields, mean)
+    margin = margin_sd * statistics.pstdev(yields, mean)
     # N·mean − margin·√N = missing, a quadratic in √N.
     root = (margin + math.sqrt(margin * margin + 4 * mean * missing)) / (2 * mean)
     return math.ceil(root * root - 1e-9)
@@ -53,9 +55,12 @@ def groups_for(missing: float, yields: Sequence[float]) -> float:
 class LaunchSizer:
     """What recent batches' groups gave, and from it the groups the open batches want."""
 
-    def __init__(self, *, group_size: int, unit: Literal["samples", "tokens"]) -> None:
+    def __init__(
+        self, *, group_size: int, unit: Literal["samples", "tokens"], margin_sd: float
+    ) -> None:
         self._group_size = group_size
         self._unit = unit
+        self._margin_sd = margin_sd
         self._recent: deque[list[float]] = deque(maxlen=YIELD_WINDOW)
 
     def closed(self, batch: StepBatch) -> None:
@@ -72,4 +77,4 @@ class LaunchSizer:
             yields.append(float(self._group_size))  # a prior: the first groups dropped whole
         elif not yields:  # do not make every later launch as many as may be in flight
             return math.inf
-        return groups_for(builder.short_of(later_batches), yields)
+        return groups_for(builder.short_of(later_batches), yields, self._margin_sd)

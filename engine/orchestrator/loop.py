@@ -112,7 +112,11 @@ class Orchestrator:
         self._inflight: dict[asyncio.Task[list[Rollout]], _Launch] = {}
         self._pending: deque[tuple[int, Group]] = deque()
         #: What recent batches' groups gave them: sizes the launches.
-        self._sizer = LaunchSizer(group_size=config.rollouts_per_example, unit=config.batch_unit)
+        self._sizer = LaunchSizer(
+            group_size=config.rollouts_per_example,
+            unit=config.batch_unit,
+            margin_sd=config.launch_margin_sd,
+        )
         self._group_ids = itertools.count()
         self._last_poll = -math.inf
         self._reload_failures = 0

@@ -49,10 +49,12 @@ def simulate(
     train_times: list[float],
     reload_times: list[float],
     dropped: Callable[[int], bool] | None = None,
+    margin_sd: float = 0.0,
 ) -> tuple[list[StepBatch], list[tuple[int, int, int, int]], int, int, float]:
     """Run the model; returns batches, (step, version, served, launched for) per admitted
     sample, made, pending and the time the last batch closed. With `dropped`, the groups it
-    picks (by group id) score alike, and the `difficulty` filter drops them."""
+    picks (by group id) score alike, and the `difficulty` filter drops them; `margin_sd` is
+    the launches' margin for that (`orchestrator.launch_margin_sd`)."""
     events: list[tuple[float, int, str, int]] = []
     order = itertools.count()
     rollout_time, train_time, reload_time = (
@@ -68,7 +70,7 @@ def simulate(
     admissions: list[tuple[int, int, int, int]] = []
     made = 0
 
-    sizer = LaunchSizer(group_size=group_size, unit="samples")
+    sizer = LaunchSizer(group_size=group_size, unit="samples", margin_sd=margin_sd)
 
     def builder(for_step: int) -> BatchBuilder:
         return BatchBuilder(
@@ -255,17 +257,18 @@ def test_rollouts_of_equal_length_are_all_sampled_within_the_async_bound(
         assert version >= min_policy_version(step, max_async_level), (step, version)
 
 
-def test_a_filter_that_drops_groups_costs_the_async_loop_almost_no_time() -> None:
-    """With the `difficulty` filter dropping one group in ten, or three, at random, the async
-    loop (rollouts of one length, a trainer step and a reload that take 0.3 and 1.0 of it)
-    builds 60 batches of 16 groups within 5 % of the time it takes when nothing is dropped.
-    Launches sized at the mean yield alone (no margin) took 7-15 % longer here: each batch
-    left a group short waited a whole rollout for it."""
+def test_a_launch_margin_trades_time_for_samples_two_versions_behind() -> None:
+    """The `difficulty` filter dropping one group in ten, or three, at random, in the async
+    loop (rollouts of one length, a trainer step and a reload that take 0.3 and 1.0 of it), 60
+    batches of 16 groups. Launched at the mean yield, the drops cost 7-15 % of the time: each
+    batch left a group short waits a whole rollout for it. With 2 SD of margin the loop keeps
+    within 5 % of no drops, but its surplus lands in the next batch: the share of samples two
+    versions behind the trainer grows from 8-12 % to 22-34 %."""
 
-    def run(drop_rate: float, seed: int) -> float:
+    def run(drop_rate: float, seed: int, margin_sd: float) -> tuple[float, float]:
         draws = random.Random(seed)
         dropped = {gid for gid in range(5_000) if draws.random() < drop_rate}
-        *_, ended = simulate(
+        _, admissions, *_, ended = simulate(
             steps=60,
             max_async_level=1,
             max_off_policy_steps=8,
@@ -276,10 +279,15 @@ def test_a_filter_that_drops_groups_costs_the_async_loop_almost_no_time() -> Non
             train_times=[0.3],
             reload_times=[1.0],
             dropped=dropped.__contains__,
+            margin_sd=margin_sd,
         )
-        return ended
+        behind = [step - 1 - version for step, version, _, _ in admissions]
+        return ended, sum(lag >= 2 for lag in behind) / len(behind)
 
-    undropped = run(0.0, 0)
+    undropped, _ = run(0.0, 0, 0.0)
     for drop_rate in (0.1, 0.3):
         for seed in (0, 1):
-            assert run(drop_rate, seed) <= 1.05 * undropped, (drop_rate, seed)
+            at_mean, at_mean_behind = run(drop_rate, seed, 0.0)
+            margin, margin_behind = run(drop_rate, seed, 2.0)
+            assert margin <= 1.05 * undropped < at_mean, (drop_rate, seed)
+            assert margin_behind > 1.5 * at_mean_behind, (drop_rate, seed)
