@@ -197,16 +197,21 @@ def learning_health(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, fl
 
 def loop_timing(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, float | None]:
     """Where a step's time goes, medians over the run: the trainer's own compute, its wait
-    for rollouts and its write of a policy version behind the step, the pool's sampling rate
-    and its weight swaps (fetch, load, the whole pause)."""
+    for rollouts and its write of a policy version behind the step (and the share of versions
+    written full), the pool's sampling rate, its wait for a policy (a mean over the steps: most
+    steps wait for none) and its weight swaps (fetch, load, the whole pause: medians over the
+    steps a swap ended in, so a step without one does not count as a swap of 0 s)."""
     times = _series(train, "time")
     trained = {line["step"]: line["time"] for line in train if "time" in line}
     sampled = {line["step"]: line["time"] for line in orch if "time" in line}
     swap_phases = sorted({k for line in orch for k in line if k.startswith("time/reload_")})
+    waits = _series(orch, "time/policy_wait_s")
+    full = _series(train, "policy_full")
     return {
         "step_s_median": statistics.median(b - a for a, b in itertools.pairwise(times))
         if len(times) > 2
         else None,
+        "step_s_mean": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
         "train_s_median": _median(_series(train, "step_seconds")),
         "wait_s_median": _median(_series(train, "wait_seconds")),
         "publish_write_s_median": _median(_series(train, "publish_write_seconds")),
@@ -221,8 +226,13 @@ def loop_timing(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, float 
             [sampled[n + 1] - trained[n] for n in trained if n + 1 in sampled]
         ),
         "sampled_tokens_per_s": _median(_series(orch, "throughput/tokens_per_s")),
-        "policy_wait_s_median": _median(_series(orch, "time/policy_wait_s")),
-        **{f"{k.removeprefix('time/')}_median": _median(_series(orch, k)) for k in swap_phases},
+        "policy_wait_s_mean": statistics.fmean(waits) if waits else None,
+        "versions_full_fraction": statistics.fmean(full) if full else None,
+        "swaps": len([v for v in _series(orch, "time/reload_s") if v > 0]),
+        **{
+            f"{k.removeprefix('time/')}_median": _median([v for v in _series(orch, k) if v > 0])
+            for k in swap_phases
+        },
     }
 
 
