@@ -147,6 +147,11 @@ class Delta:
     values_frames: tuple[int, ...] = ()
     frame_bytes: int = 0
 
+    @property
+    def compressed_bytes(self) -> int:
+        """What the delta's entries take compressed (the file adds a small header)."""
+        return len(self.gaps) + len(self.values)
+
 
 @cache
 def _threads() -> ThreadPoolExecutor:

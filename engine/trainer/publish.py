@@ -269,7 +269,7 @@ class PolicyPublisher:
         if world == 1:
             begin_step(self.store, step_dir)
         delta = compress_entries(self._stream.parts, packed, count)
-        self._delta_bytes = (len(delta.gaps) + len(delta.values), packed.nbytes)
+        self._delta_bytes = (delta.compressed_bytes, packed.nbytes)
         mine = write_delta_file(self.store, step_dir, delta_file_name(rank, world), delta)
         files = self._all_parts(step_dir, uid, mine)
         if files is None:

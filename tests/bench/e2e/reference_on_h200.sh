@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 30 item 2's paired comparison on one GPU, most needed first, for a device call chain
-# that may be cut short. From one SFT checkpoint: primeflow with dynamic sampling on three vLLM servers; TRL's
-# GRPOTrainer; the same primeflow with the launch margin (`orchestrator.launch_margin_sd 2`:
-# faster in the loop's model, but its surplus lands two versions behind the trainer, and both
-# arms with it fell hard once in the fourteenth session); and without the filter (what the
-# filter costs in wall time, the pairing `configs/reverse_text/gpu.toml` needs before it ships
-# the filter), after the GPU tests. Two servers were no faster than three (fourteenth
+# that may be cut short. From one SFT checkpoint: primeflow with dynamic sampling on three vLLM
+# servers; TRL's GRPOTrainer; the same primeflow with the launch margin
+# (`orchestrator.launch_margin_sd 2`: faster in the loop's model, but its surplus lands two
+# versions behind the trainer, and both arms with it fell hard once in the fourteenth session);
+# and without the filter (what the filter costs in wall time, the pairing
+# `configs/reverse_text/gpu.toml` needs before it ships the filter), after the GPU tests. Two servers were no faster than three (fourteenth
 # session), four no faster than three (thirteenth). TRL comes as its wheel (no package index on
 # the GPU machine): `pip download --no-deps --only-binary=:all: --python-version 3.12
 # trl==1.16.0` here, carried with the call, installed into ../shared/gpu-vllm's /tmp/site. Run

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "cores": float(os.cpu_count() or 1),
         "changed_m": count / 1e6,
         "raw_mb": packed.nbytes / 1e6,
-        "compressed_mb": (len(deltas["frames"].gaps) + len(deltas["frames"].values)) / 1e6,
+        "compressed_mb": deltas["frames"].compressed_bytes / 1e6,
         **{f"compress_{way}_s": statistics.median(compress[way]) for way in frame_sizes},
         **{f"decode_{way}_s": statistics.median(decode[way]) for way in frame_sizes},
         "compress_ratio": statistics.median(
