@@ -38,7 +38,6 @@ import math
 import os
 import struct
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -167,15 +166,23 @@ def _compress(data: np.ndarray, frame_bytes: int) -> tuple[bytes, tuple[int, ...
     return b"".join(blobs), tuple(len(blob) for blob in blobs)
 
 
-def _decompress(data: bytes, size: int, frames: Sequence[int], frame_bytes: int) -> np.ndarray:
+def _decompress(
+    data: bytes,
+    size: int,
+    frames: Sequence[int],
+    frame_bytes: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """The `size` raw bytes of `data`, its frames (compressed sizes `frames`, each but the
-    last `frame_bytes` raw) decompressed on threads; one frame when `frames` has at most one."""
+    last `frame_bytes` raw) decompressed on threads (one frame when `frames` has at most
+    one), into `out` when given."""
     codec = pa.Codec(CODEC)
+    out = np.empty(size, dtype=np.uint8) if out is None else out
     if len(frames) <= 1:
-        return np.frombuffer(codec.decompress(data, size, asbytes=False), dtype=np.uint8)
+        out[:] = np.frombuffer(codec.decompress(data, size, asbytes=False), dtype=np.uint8)
+        return out
     if sum(frames) != len(data) or not 0 < size - frame_bytes * (len(frames) - 1) <= frame_bytes:
         raise ValueError(f"frames {list(frames)} of {frame_bytes} bytes do not fit the data")
-    out = np.empty(size, dtype=np.uint8)
     starts = [0, *itertools.accumulate(frames)]
 
     def one(index: int) -> None:
@@ -295,40 +302,70 @@ def read_delta_file(data: bytes, what: str) -> Delta:
         raise ValueError(f"{what} is not a {FORMAT} file: {exc}") from exc
 
 
-def decode_delta(
-    delta: Delta, device: torch.device | str = "cpu"
+@dataclass(frozen=True)
+class Unpacked:
+    """A delta's entries decompressed on the host, still shuffled: what is left of decoding
+    runs where they will be applied. A server unpacks deltas before it pauses (the host's
+    share of a reload) so that its pause only copies and applies them."""
+
+    parts: tuple[Part, ...]
+    count: int
+    itemsize: int
+    #: (count * 4,) and (count * itemsize,) uint8: the shuffled gaps and zigzag values.
+    gaps: torch.Tensor
+    values: torch.Tensor
+
+
+def unpack_delta(delta: Delta, pin: bool = False) -> Unpacked:
+    """Decompress `delta`'s arrays on the host, into page-locked memory when `pin` (a copy
+    to a GPU from it is quicker, and needs no staging copy)."""
+    dtypes = {part.dtype for part in delta.parts}
+    if len(dtypes) > 1:
+        raise ValueError(f"a delta stream holds one dtype, not {sorted(map(str, dtypes))}")
+    itemsize = torch.empty((), dtype=dtypes.pop()).element_size() if dtypes else 1
+
+    def planes(data: bytes, width: int, frames: tuple[int, ...]) -> torch.Tensor:
+        size = delta.count * width
+        if not size:
+            return _NO_BYTES
+        out = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        _decompress(data, size, frames, delta.frame_bytes, out=out.numpy())
+        return out
+
+    return Unpacked(
+        delta.parts,
+        delta.count,
+        itemsize,
+        planes(delta.gaps, _GAP_BYTES, delta.gaps_frames),
+        planes(delta.values, itemsize, delta.values_frames),
+    )
+
+
+def decode_unpacked(
+    unpacked: Unpacked, device: torch.device | str = "cpu"
 ) -> list[tuple[Part, torch.Tensor, torch.Tensor]]:
     """Per part with changes: (part, positions in the whole tensor, signed differences), (k,)
     int64 each, on `device`.
 
-    Only the decompression runs on the host; the unshuffle, the running sum of the gaps and the
-    zigzag decoding run where the entries will be applied: on a GPU they take milliseconds where
-    the host took most of a swap (0.76 s a step for a 76M model on an H100, docs/benchmarks.md).
+    The unshuffle, the running sum of the gaps and the zigzag decoding run where the entries
+    will be applied: on a GPU they take milliseconds where the host took most of a swap (0.76
+    s a step for a 76M model on an H100, docs/benchmarks.md).
     """
-    if not delta.parts:
+    if not unpacked.parts:
         return []
-    dtypes = {part.dtype for part in delta.parts}
-    if len(dtypes) != 1:
-        raise ValueError(f"a delta stream holds one dtype, not {sorted(map(str, dtypes))}")
-    itemsize = torch.empty((), dtype=dtypes.pop()).element_size()
-
-    def planes(data: bytes, width: int, frames: tuple[int, ...]) -> torch.Tensor:
-        raw = _decompress(data, delta.count * width, frames, delta.frame_bytes)
-        with warnings.catch_warnings():  # read-only buffer: read here, never written
-            warnings.simplefilter("ignore", UserWarning)
-            host = torch.from_numpy(raw) if delta.count else _NO_BYTES
-        return _unshuffle(host.to(device), width)
-
-    positions = torch.cumsum(planes(delta.gaps, _GAP_BYTES, delta.gaps_frames) + 1, 0) - 1
-    zigzag = planes(delta.values, itemsize, delta.values_frames)
+    on_device = torch.device(device)
+    copy = {"non_blocking": unpacked.gaps.is_pinned()} if on_device.type == "cuda" else {}
+    positions = torch.cumsum(_unshuffle(unpacked.gaps.to(on_device, **copy), _GAP_BYTES) + 1, 0)
+    positions -= 1
+    zigzag = _unshuffle(unpacked.values.to(on_device, **copy), unpacked.itemsize)
     signed = (zigzag >> 1) ^ -(zigzag & 1)
-    sizes = [part.size for part in delta.parts]
+    sizes = [part.size for part in unpacked.parts]
     starts = [0, *itertools.accumulate(sizes)]
-    if delta.count and int(positions[-1]) >= starts[-1]:
+    if unpacked.count and int(positions[-1]) >= starts[-1]:
         raise ValueError(f"a position lies past the stream's {starts[-1]} entries")
     bounds = torch.searchsorted(positions, positions.new_tensor(starts)).tolist()
     decoded = []
-    for index, part in enumerate(delta.parts):
+    for index, part in enumerate(unpacked.parts):
         if part.offset + part.size > math.prod(part.shape):
             raise ValueError(f"{part.name}: part past the tensor's {list(part.shape)}")
         low, high = bounds[index], bounds[index + 1]
@@ -336,6 +373,13 @@ def decode_delta(
             local = positions[low:high] - (starts[index] - part.offset)
             decoded.append((part, local, signed[low:high]))
     return decoded
+
+
+def decode_delta(
+    delta: Delta, device: torch.device | str = "cpu"
+) -> list[tuple[Part, torch.Tensor, torch.Tensor]]:
+    """`decode_unpacked` of the delta unpacked on the host."""
+    return decode_unpacked(unpack_delta(delta), device)
 
 
 def apply_entries(

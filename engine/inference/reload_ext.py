@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,19 +46,17 @@ from engine.inference.weight_folders import (
     Decoded,
     Signature,
     commit_meta,
+    decode_unpacked_folder,
     is_delta,
     iterate_weights,
     keeps_mirror,
-    read_delta_folder,
     read_signature,
     rebuild,
     served_model_folder,
     signature_mismatch,
+    unpack_delta_folder,
 )
-from storage.deltas import (
-    apply_entries,
-    check_fits,
-)
+from storage.deltas import Unpacked, apply_entries, check_fits
 from storage.tensor_files import ties_word_embeddings
 
 
@@ -224,6 +224,19 @@ def compare_served(
     }
 
 
+@cache
+def _stager() -> ThreadPoolExecutor:
+    """The thread that unpacks deltas beside generation (its zstd frames decompress on
+    `storage.deltas`' threads, which release the GIL)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="primeflow-stage")
+
+
+@cache
+def _pin() -> bool:
+    """Unpack into page-locked memory: on a GPU host its copy to the device is quicker."""
+    return torch.cuda.is_available()
+
+
 class WeightReloadExtension:
     """Methods mixed into vLLM's worker class; `self` is the worker (`model_runner`, configs)."""
 
@@ -234,6 +247,8 @@ class WeightReloadExtension:
     _primeflow_targets: dict[str, Target] | None = None
     _primeflow_mirror: dict[str, torch.Tensor] | None = None
     _primeflow_held: str | None = None
+    #: Delta folders unpacked, or being unpacked, ahead of their reload, by path.
+    _primeflow_staged: dict[str, Future[list[Unpacked]]] | None = None
 
     def primeflow_version(self) -> dict[str, int]:
         """The policy version this worker serves (0 until the first reload)."""
@@ -254,6 +269,24 @@ class WeightReloadExtension:
         report = compare_served(model.named_parameters(), tensors, packed)
         return {**report, "version": self._primeflow_version}
 
+    def primeflow_stage(self, *folders: str) -> dict[str, object]:
+        """Start unpacking the delta folders among `folders` on the host, beside generation;
+        `ready` once all of them are.
+
+        A reload pauses generation. A delta read and decompressed before the pause leaves it
+        only the copy to the device and the application. The engine runs this call between
+        its steps and it returns at once: call it again (it starts nothing twice) until
+        `ready`. The next `primeflow_reload` takes what it needs and drops the rest.
+        """
+        if self._primeflow_staged is None:
+            self._primeflow_staged = {}
+        staged = self._primeflow_staged
+        wanted = [str(Path(folder)) for folder in folders]
+        for folder in wanted:
+            if folder not in staged and is_delta(commit_meta(Path(folder))):
+                staged[folder] = _stager().submit(unpack_delta_folder, Path(folder), _pin())
+        return {"ready": all(staged[f].done() for f in wanted if f in staged)}
+
     def primeflow_reload(self, version: str, *folders: str) -> dict[str, object]:
         """Load a version in place, re-pack tied heads; `version` is recorded as served.
 
@@ -267,13 +300,23 @@ class WeightReloadExtension:
         if not paths:
             raise ValueError("primeflow_reload needs at least one folder")
         metas = [commit_meta(path) for path in paths]
+        staged, self._primeflow_staged = self._primeflow_staged or {}, None
+        unpacked_ahead = 0
         decoded: dict[Path, Decoded] = {}
         signatures: dict[Path, Signature] = {}
-        for path, meta in zip(paths, metas, strict=True):
-            if is_delta(meta):
-                decoded[path] = read_delta_folder(path, self._primeflow_delta_device())
-            else:
-                signatures[path] = self._check_fits(path)
+        try:
+            for path, meta in zip(paths, metas, strict=True):
+                if is_delta(meta):
+                    ahead = staged.pop(str(path), None)
+                    unpacked_ahead += ahead is not None
+                    unpacked = ahead.result() if ahead else unpack_delta_folder(path, _pin())
+                    device = self._primeflow_delta_device()
+                    decoded[path] = decode_unpacked_folder(unpacked, device)
+                else:
+                    signatures[path] = self._check_fits(path)
+        finally:
+            for stale in staged.values():
+                stale.cancel()
         held, self._primeflow_held = self._primeflow_held, None  # until this load succeeds
         stale_mirror = False  # the mirror changed since the model was loaded from it
         for path, meta in zip(paths, metas, strict=True):
@@ -296,7 +339,12 @@ class WeightReloadExtension:
         repacked = repack_tied_heads(self.model_runner.get_model())  # type: ignore[attr-defined]
         self._primeflow_version = int(version)
         self._primeflow_held = held
-        return {"repacked": repacked, "version": self._primeflow_version, "holds": held}
+        return {
+            "repacked": repacked,
+            "version": self._primeflow_version,
+            "holds": held,
+            "unpacked_ahead": unpacked_ahead,
+        }
 
     def _primeflow_delta_device(self) -> torch.device:
         """Where deltas are applied: the served parameters' device, or the host's mirror."""

@@ -25,7 +25,7 @@ from storage.layout import is_delta_file
 if TYPE_CHECKING:
     import torch
 
-    from storage.deltas import Part
+    from storage.deltas import Part, Unpacked
 
 #: A version's changed entries, decoded: (part, positions in the whole tensor, differences).
 Decoded = list[tuple["Part", "torch.Tensor", "torch.Tensor"]]
@@ -119,19 +119,33 @@ def keeps_mirror(meta: dict[str, object]) -> bool:
 DEVICE_DECODE_ENTRIES = 1 << 25
 
 
-def read_delta_folder(folder: Path, device: torch.device | str = "cpu") -> Decoded:
-    """Every changed entry of a delta version's folder (one file per trainer rank), decoded on
-    `device` (where they will be applied) unless a file is too large for it."""
-    from storage.deltas import decode_delta, read_delta_file
+def unpack_delta_folder(folder: Path, pin: bool = False) -> list[Unpacked]:
+    """A delta version's files (one per trainer rank) read and decompressed on the host, into
+    page-locked memory when `pin`: the part of loading it that needs no device."""
+    from storage.deltas import read_delta_file, unpack_delta
 
     files = sorted(f for f in folder.glob("*.safetensors") if is_delta_file(f.name))
     if not files:
         raise FileNotFoundError(f"delta version {folder} has no delta files")
+    return [unpack_delta(read_delta_file(file.read_bytes(), str(file)), pin) for file in files]
+
+
+def decode_unpacked_folder(unpacked: list[Unpacked], device: torch.device | str = "cpu") -> Decoded:
+    """Every changed entry of an unpacked delta version, decoded on `device` (where they
+    will be applied) unless a file is too large for it."""
+    from storage.deltas import decode_unpacked
+
     decoded: Decoded = []
-    for file in files:
-        delta = read_delta_file(file.read_bytes(), str(file))
-        decoded += decode_delta(delta, device if delta.count <= DEVICE_DECODE_ENTRIES else "cpu")
+    for entries in unpacked:
+        decoded += decode_unpacked(
+            entries, device if entries.count <= DEVICE_DECODE_ENTRIES else "cpu"
+        )
     return decoded
+
+
+def read_delta_folder(folder: Path, device: torch.device | str = "cpu") -> Decoded:
+    """`decode_unpacked_folder` of the folder unpacked on the host."""
+    return decode_unpacked_folder(unpack_delta_folder(folder), device)
 
 
 def rebuild(folders: list[Path]) -> dict[str, torch.Tensor]:

@@ -44,7 +44,12 @@ from engine.local_checkpoints import (
 from storage.checkpoints import base_model_of, is_adapter
 
 _RELOAD_METHOD = "primeflow_reload"
+_STAGE_METHOD = "primeflow_stage"
 _COMPARE_METHOD = "primeflow_compare"
+#: How often a server is asked whether it has unpacked a reload's deltas, and how long at most
+#: the pause waits for it (the load then unpacks what is left itself).
+_STAGE_POLL_S = 0.005
+_STAGE_WAIT_S = 10.0
 
 
 class WeightSync:
@@ -70,9 +75,12 @@ class WeightSync:
         self._reload_lock = threading.Lock()
         #: Parameters found bit-identical to their checkpoint by verified reloads, all servers.
         self.verified_tensors = 0
+        #: Delta folders the servers' workers had unpacked before the pause, all servers.
+        self.unpacked_ahead = 0
         #: Where the last reload's time went, in seconds: `fetch` (the chain into the local
-        #: cache, hashes checked), `load` and `paused` (the slowest server's weight load, and
-        #: its whole pause: load, KV reset and the pause and resume calls). The orchestrator
+        #: cache, hashes checked), `stage`, `load` and `paused` (the slowest server's
+        #: unpacking of deltas while it still generates, its weight load, and its whole pause:
+        #: load, KV reset and the pause and resume calls). The orchestrator
         #: reports them per step; a slow swap is otherwise one number with no culprit.
         self.last_swap: dict[str, float] = {}
         self._server_swaps: dict[int, dict[str, float]] = {}
@@ -222,7 +230,8 @@ class WeightSync:
     def _reload_server(
         self, server: ServerProcess, folders: list[Path], version: int
     ) -> str | None:
-        """Pause (in-flight requests freeze), load, drop every cached KV block, resume.
+        """Unpack the deltas, pause (in-flight requests freeze), load, drop every cached KV
+        block, resume.
 
         Each worker reports the version it loaded: that is the proof the server took it, on
         every vLLM release. The prefix cache and the KV of paused requests were computed by the
@@ -235,6 +244,8 @@ class WeightSync:
         """
         endpoint = self.fleet.endpoints[server.spec.index]
         with self.fleet.control(server) as http:
+            staging = time.monotonic()
+            self._stage(http, folders)
             paused = time.monotonic()
             pause_generation(http)
             try:
@@ -247,10 +258,23 @@ class WeightSync:
             finally:
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")
-        swap = {"load": loaded, "paused": time.monotonic() - paused}
+        swap = {"stage": paused - staging, "load": loaded, "paused": time.monotonic() - paused}
         self._server_swaps[server.spec.index] = swap
+        self.unpacked_ahead += sum(int(result.get("unpacked_ahead", 0)) for result in results)
         held = {result.get("holds") for result in results}
         return held.pop() if len(held) == 1 else None
+
+    def _stage(self, http: httpx.Client, folders: list[Path]) -> None:
+        """Have the server unpack the chain's deltas before it pauses (`primeflow_stage`):
+        generation goes on meanwhile, where the pause would stop it."""
+        if not any(is_delta(commit_meta(folder)) for folder in folders):
+            return
+        deadline = time.monotonic() + _STAGE_WAIT_S
+        names = [str(folder) for folder in folders]
+        while time.monotonic() < deadline:
+            if all(result.get("ready") for result in self.fleet.rpc(http, _STAGE_METHOD, *names)):
+                return
+            time.sleep(_STAGE_POLL_S)
 
     def compare_served(self, checkpoint: str | os.PathLike[str]) -> list[dict[str, Any]]:
         """Each server's bit-for-bit comparison of its served weights with `checkpoint`.

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,13 +66,24 @@ def assert_serves(pool: InferencePool, weights_folder, prompt: list[int], versio
     assert max(abs(a - b) for a, b in zip(sample.logprobs, expected, strict=True)) < 1e-4
 
 
-def weight_version(pool: InferencePool) -> int:
-    """The version the server's worker says it serves (the reload extension's own record)."""
+def worker_rpc(pool: InferencePool, method: str, *args: str) -> httpx.Response:
+    """Call the reload extension's `method` on the server's worker directly."""
     headers = {"Authorization": f"Bearer {pool.api_key}"}
     url = f"{pool.endpoints[0].base_url}/collective_rpc"
-    body = {"method": "primeflow_version", "args": []}
-    (result,) = httpx.post(url, json=body, headers=headers, timeout=60).json()["results"]
-    return result["version"]
+    body = {"method": method, "args": list(args)}
+    return httpx.post(url, json=body, headers=headers, timeout=60)
+
+
+def worker_result(pool: InferencePool, method: str, *args: str) -> dict:
+    response = worker_rpc(pool, method, *args)
+    assert response.status_code == 200, response.text
+    (result,) = response.json()["results"]
+    return result
+
+
+def weight_version(pool: InferencePool) -> int:
+    """The version the server's worker says it serves (the reload extension's own record)."""
+    return worker_result(pool, "primeflow_version")["version"]
 
 
 def test_reload_serves_the_new_weights(base_pool: InferencePool, weights: Weights) -> None:
@@ -204,6 +218,58 @@ def test_delta_versions_are_applied_exactly(base_pool: InferencePool, weights: W
     finally:
         base_pool.fleet.config = config
     assert_serves(base_pool, weights.other, long_prompt(weights), version=3)
+
+
+def test_a_server_unpacks_deltas_before_it_pauses(
+    base_pool: InferencePool, weights: Weights, tmp_path
+) -> None:
+    """`primeflow_stage` reads and decompresses a reload's deltas while the server still
+    generates, so that its pause only applies them. The pool stages every delta reload; the
+    reload takes what was staged and reports it; a damaged delta staged so is refused by the
+    reload as it would be without, the served weights untouched; and what a reload does not
+    take is dropped."""
+    store = ObjectStore(f"file://{tmp_path}/run")
+    base = publish_full(store, 1, weights.base, "v1")
+    other = load_file(weights.other / "model.safetensors")
+    publish_delta(store, 2, base, other, "v2", (1, "v1"))
+    publish_delta(store, 3, other, base, "v3", (2, "v2"))
+    full, third, damaged = (tmp_path / "run" / RunLayout.policy_dir(step) for step in (1, 3, 4))
+    shutil.copytree(third, damaged)
+    (delta_file,) = damaged.glob("delta-*.safetensors")
+    delta_file.write_bytes(delta_file.read_bytes()[:-100])
+
+    def staged(*folders: Path) -> None:
+        names = list(map(str, folders))
+        deadline = time.monotonic() + 60
+        while not worker_result(base_pool, "primeflow_stage", *names)["ready"]:
+            assert time.monotonic() < deadline, f"{names} were not unpacked in 60 s"
+            time.sleep(0.01)
+
+    config = base_pool.config
+    base_pool.fleet.config = config.model_copy(update={"verify_reloads": True})
+    try:
+        assert base_pool.reload(store.url(RunLayout.policy_dir(1))) == 1
+        before = base_pool.weights.unpacked_ahead
+        assert base_pool.reload(store.url(RunLayout.policy_dir(2))) == 2  # staged, verified
+        assert base_pool.weights.unpacked_ahead == before + 1
+    finally:
+        base_pool.fleet.config = config
+    assert_serves(base_pool, weights.other, long_prompt(weights), version=2)
+
+    staged(third)
+    loaded = worker_result(base_pool, "primeflow_reload", "3", str(third))
+    assert loaded["version"] == 3 and loaded["unpacked_ahead"] == 1
+    staged(damaged)
+    refused = worker_rpc(base_pool, "primeflow_reload", "4", str(damaged))
+    assert refused.status_code == 500
+    assert weight_version(base_pool) == 3
+    (report,) = base_pool.compare_served(third)
+    assert report["mismatched"] == 0 and report["compared"] > 0
+
+    staged(damaged)  # staged, then not what the next reload loads
+    loaded = worker_result(base_pool, "primeflow_reload", "5", str(full))
+    assert loaded["version"] == 5 and loaded["unpacked_ahead"] == 0
+    assert worker_result(base_pool, "primeflow_reload", "1", str(full))["unpacked_ahead"] == 0
 
 
 @pytest.mark.parametrize(
