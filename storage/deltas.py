@@ -354,10 +354,10 @@ def decode_unpacked(
     if not unpacked.parts:
         return []
     on_device = torch.device(device)
-    copy = {"non_blocking": unpacked.gaps.is_pinned()} if on_device.type == "cuda" else {}
-    positions = torch.cumsum(_unshuffle(unpacked.gaps.to(on_device, **copy), _GAP_BYTES) + 1, 0)
-    positions -= 1
-    zigzag = _unshuffle(unpacked.values.to(on_device, **copy), unpacked.itemsize)
+    pinned = on_device.type == "cuda" and unpacked.gaps.is_pinned()
+    gaps = unpacked.gaps.to(on_device, non_blocking=pinned)
+    positions = torch.cumsum(_unshuffle(gaps, _GAP_BYTES) + 1, 0) - 1
+    zigzag = _unshuffle(unpacked.values.to(on_device, non_blocking=pinned), unpacked.itemsize)
     signed = (zigzag >> 1) ^ -(zigzag & 1)
     sizes = [part.size for part in unpacked.parts]
     starts = [0, *itertools.accumulate(sizes)]
