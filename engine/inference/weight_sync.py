@@ -119,7 +119,9 @@ class WeightSync:
                 return self._swap_adapter(location, folders[0], version)
             served = self._reload_all(location, folders, version)
             self._base = location
-            slowest = max(self._server_swaps.values(), key=lambda s: s["paused"], default={})
+            slowest = max(
+                self._server_swaps.values(), key=lambda s: s["stage"] + s["paused"], default={}
+            )
             self.last_swap = {"fetch": fetched, **slowest}
             return served
 
