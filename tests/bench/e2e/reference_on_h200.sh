@@ -23,9 +23,13 @@ FILTER='[{"type":"difficulty"}]'
 REFERENCE=(python3 -m tests.bench.e2e.bench_reference --config configs/reverse_text/gpu.toml
   --sft-steps 100 --steps 150 --eval-every 25 --trl-python python3)
 THREE=(--inference.num-servers 3 --inference.gpu-ids 0 0 0 --inference.gpu-memory-utilization 0.1)
+# The trainer's wait for a batch and the orchestrator's for a policy version are both on the
+# loop's latency chain (half a poll each on average: ~25 ms a step at the default 0.05 s); on
+# a local store a poll is a stat or a listing.
+POLL=(--trainer.poll-interval-s 0.01 --orchestrator.poll-interval-s 0.01)
 "${REFERENCE[@]}" --workdir "$WORK/ref" --out "$WORK/reference.json" \
   --arm 'margin-2=--orchestrator.launch-margin-sd 2' \
   --arm 'seed-1=--run.seed 1' \
   --arm 'margin-2-seed-1=--orchestrator.launch-margin-sd 2 --run.seed 1' \
-  -- "${THREE[@]}" --orchestrator.filters "$FILTER" --orchestrator.max-concurrent 256
+  -- "${THREE[@]}" "${POLL[@]}" --orchestrator.filters "$FILTER" --orchestrator.max-concurrent 256
 echo "reference rc=$?"
