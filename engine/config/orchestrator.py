@@ -148,10 +148,8 @@ class OrchestratorConfig(BaseConfig):
             ge=0,
             description="Standard deviations of margin when starting groups for batches a "
             "filter drops groups from: a batch rarely waits a whole rollout for a group it "
-            "lacks. Above 0, a group older than the async bound is dropped (a surplus would "
-            "train a version further behind; so would a multi-turn rollout that outlives its "
-            "batch): more rollouts, less time (docs/algorithms.md). 0 starts them at the mean "
-            "of what recent groups gave and keeps every group within max_off_policy_steps.",
+            "lacks, but the surplus lands in the next batch, a version further behind "
+            "(docs/algorithms.md). 0 starts them at the mean of what recent groups gave.",
         ),
     ] = 0.0
     poll_interval_s: Annotated[

@@ -56,15 +56,9 @@ def stale_reason(
     served_version: int,
     max_async_level: int,
     max_off_policy_steps: int,
-    drop_surplus: bool = False,
 ) -> str | None:
-    """Why a group whose oldest token is of policy `version` may not go into batch `step`.
-
-    `drop_surplus`: a group older than the bound is dropped with async too, as on-policy. It
-    is for a launch margin's surplus, which would otherwise train a version further behind.
-    """
-    bound_holds = max_async_level == 0 or drop_surplus
-    if bound_holds and version < min_policy_version(step, max_async_level):
+    """Why a group whose oldest token is of policy `version` may not go into batch `step`."""
+    if max_async_level == 0 and version < min_policy_version(step, 0):
         return "stale/async_bound"
     if served_version - version > max_off_policy_steps:
         return "stale/off_policy"
@@ -78,7 +72,6 @@ def stale_group(
     served_version: int,
     max_async_level: int,
     max_off_policy_steps: int,
-    drop_surplus: bool = False,
 ) -> str | None:
     """Why the group of `samples` may not go into batch `step` (its oldest token decides)."""
     if not samples:
@@ -89,5 +82,4 @@ def stale_group(
         served_version=served_version,
         max_async_level=max_async_level,
         max_off_policy_steps=max_off_policy_steps,
-        drop_surplus=drop_surplus,
     )

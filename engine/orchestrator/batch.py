@@ -57,9 +57,7 @@ class BatchBuilder:
         filters: Sequence[Filter],
         max_async_level: int,
         max_off_policy_steps: int,
-        drop_surplus: bool = False,
     ) -> None:
-        """`drop_surplus`: drop groups older than the async bound (`stale_reason`)."""
         self.batch = StepBatch(step)
         zeros = [f"skipped/{reason}" for reason in SKIP_REASONS] + list(STALE_REASONS)
         for flt in filters:
@@ -70,7 +68,6 @@ class BatchBuilder:
         self._filters = filters
         self._max_async_level = max_async_level
         self._max_off_policy_steps = max_off_policy_steps
-        self._drop_surplus = drop_surplus
 
     @property
     def size(self) -> int:
@@ -107,7 +104,6 @@ class BatchBuilder:
             served_version=served_version,
             max_async_level=self._max_async_level,
             max_off_policy_steps=self._max_off_policy_steps,
-            drop_surplus=self._drop_surplus,
         )
         if stale is not None:
             counts[stale] += len(group.samples)

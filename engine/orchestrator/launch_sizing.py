@@ -12,14 +12,14 @@ costs a whole rollout's latency: the missing group starts only once a dropped on
 back. On one H100, with the `difficulty` filter dropping 1-3 of ~18 groups a batch, the batches
 that lost 2 or more took 0.8-0.9 s against 0.54 s for those that lost none. A margin of
 `margin_sd` standard deviations of that yield (`orchestrator.launch_margin_sd`: N·mean −
-margin_sd·sd·√N reaches what is missing) makes that rare. Its surplus would go into the next
-batch, two versions behind the trainer: on the GPU both runs that kept it fell hard once, and
-in the loop's discrete-event model (`tests/unit/orchestrator/test_async_bound.py`) it made
-22-36 % of the samples two versions behind. So with a margin the batches drop every group
-older than the async bound (`BatchBuilder(drop_surplus=True)`): in that model, with 10-30 %
-of groups dropped by the filter, 60 batches took 1.04-1.05x the time of none dropped (at the
-mean: 1.07-1.15x) with no sample two versions behind, for 1.2-1.45x the rollouts. The margin
-is off by default until a paired GPU run settles it.
+margin_sd·sd·√N reaches what is missing) makes that rare, but its surplus goes into the next
+batch, two versions behind the trainer instead of one. In the loop's discrete-event model
+(`tests/unit/orchestrator/test_async_bound.py`), with 10-30 % of groups dropped, 60 batches took
+1.07-1.15x the time of none dropped, and 1.02-1.03x with 2 SD of margin, which raised the share
+of samples two versions behind from 8-13 % to 22-36 %. On the GPU two of the three runs with
+that margin fell hard once, where none of four without it did (docs/benchmarks.md): the
+margin is off by default. The surplus is not dropped instead: the late groups are the long
+rollouts, and training only the quick ones would bias the policy to short replies.
 """
 
 from __future__ import annotations

@@ -183,7 +183,6 @@ class Orchestrator:
             filters=self.filters,
             max_async_level=self.config.max_async_level,
             max_off_policy_steps=self.config.max_off_policy_steps,
-            drop_surplus=self.config.launch_margin_sd > 0,
         )
         blocked_since: float | None = None
         while True:

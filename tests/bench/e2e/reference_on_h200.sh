@@ -2,10 +2,10 @@
 # Issue 30 item 2's paired comparison on one GPU, most needed first, for a device call chain
 # that may be cut short. From one SFT checkpoint: primeflow with dynamic sampling on three vLLM
 # servers; TRL's GRPOTrainer; the same primeflow with the launch margin
-# (`orchestrator.launch_margin_sd 2`, which now drops its surplus rather than training it two
-# versions behind: 0.87x the filter arm's time in the fifteenth session, its surplus then kept);
-# then both again on another seed (`run.seed 1`: other prompts, other samples), since one run
-# per arm could not tell 0.008 of held-out greedy apart. The GPU tests and the arm without the
+# (`orchestrator.launch_margin_sd 2`: 0.87x the filter arm's time in the fifteenth session,
+# its surplus trained two versions behind; two of its three runs fell hard once); then both
+# again on another seed (`run.seed 1`: other prompts, other samples), since one run per arm
+# could not tell 0.008 of held-out greedy apart, nor whether the falls are the margin's. The GPU tests and the arm without the
 # filter ran in the fifteenth session (4 passed; the filter ahead per step and per second, the
 # second pairing to say so). Two servers were no faster than three (fourteenth session), four
 # no faster than three (thirteenth). TRL comes as its wheel (no package index on
