@@ -75,8 +75,10 @@ class WeightSync:
         self._reload_lock = threading.Lock()
         #: Parameters found bit-identical to their checkpoint by verified reloads, all servers.
         self.verified_tensors = 0
-        #: Delta folders the servers' workers had unpacked before the pause, all servers.
+        #: Delta folders the servers' workers had unpacked before the pause, all servers
+        #: (counted from each server's reload thread, under its own lock).
         self.unpacked_ahead = 0
+        self._count_lock = threading.Lock()
         #: Where the last reload's time went, in seconds: `fetch` (the chain into the local
         #: cache, hashes checked), `stage`, `load` and `paused` (the slowest server's
         #: unpacking of deltas while it still generates, its weight load, and its whole pause:
@@ -262,7 +264,8 @@ class WeightSync:
                     http.post("/resume")
         swap = {"stage": paused - staging, "load": loaded, "paused": time.monotonic() - paused}
         self._server_swaps[server.spec.index] = swap
-        self.unpacked_ahead += sum(int(result.get("unpacked_ahead", 0)) for result in results)
+        with self._count_lock:
+            self.unpacked_ahead += sum(int(r.get("unpacked_ahead", 0)) for r in results)
         held = {result.get("holds") for result in results}
         return held.pop() if len(held) == 1 else None
 
