@@ -6,8 +6,8 @@
 #    arm's time in the fifteenth session, its surplus trained two versions behind; two of its
 #    three runs fell hard once);
 # 2. the recipe under NVIDIA MPS: the trainer and the three servers share the GPU at once
-#    instead of taking turns (the fifteenth session's trainer steps took 0.18-0.22 s where the
-#    servers sampled or swapped beside them, 0.11-0.12 s otherwise);
+#    instead of taking turns (in the fifteenth session 43 of 149 trainer steps took 0.16-0.22
+#    s against a median of 0.127 s, with the same tokens);
 # 3. the recipe and the margin again on another seed (`run.seed 1`: other prompts, other
 #    samples), since one run per arm could not tell 0.008 of held-out greedy apart, nor whether
 #    the falls are the margin's.
