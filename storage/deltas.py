@@ -166,21 +166,14 @@ def _compress(data: np.ndarray, frame_bytes: int) -> tuple[bytes, tuple[int, ...
     return b"".join(blobs), tuple(len(blob) for blob in blobs)
 
 
-def _decompress(
-    data: bytes,
-    size: int,
-    frames: Sequence[int],
-    frame_bytes: int,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """The `size` raw bytes of `data`, its frames (compressed sizes `frames`, each but the
-    last `frame_bytes` raw) decompressed on threads (one frame when `frames` has at most
-    one), into `out` when given."""
+def _decompress(data: bytes, frames: Sequence[int], frame_bytes: int, out: np.ndarray) -> None:
+    """Decompress `data` into `out` (its raw bytes), its frames (compressed sizes `frames`,
+    each but the last `frame_bytes` raw) on threads; one frame when `frames` has at most one."""
     codec = pa.Codec(CODEC)
-    out = np.empty(size, dtype=np.uint8) if out is None else out
+    size = len(out)
     if len(frames) <= 1:
         out[:] = np.frombuffer(codec.decompress(data, size, asbytes=False), dtype=np.uint8)
-        return out
+        return
     if sum(frames) != len(data) or not 0 < size - frame_bytes * (len(frames) - 1) <= frame_bytes:
         raise ValueError(f"frames {list(frames)} of {frame_bytes} bytes do not fit the data")
     starts = [0, *itertools.accumulate(frames)]
@@ -192,7 +185,6 @@ def _decompress(
         out[index * frame_bytes : index * frame_bytes + raw] = np.frombuffer(decoded, np.uint8)
 
     list(_threads().map(one, range(len(frames))))
-    return out
 
 
 def compress_entries(
@@ -329,7 +321,7 @@ def unpack_delta(delta: Delta, pin: bool = False) -> Unpacked:
         if not size:
             return _NO_BYTES
         out = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        _decompress(data, size, frames, delta.frame_bytes, out=out.numpy())
+        _decompress(data, frames, delta.frame_bytes, out.numpy())
         return out
 
     return Unpacked(
