@@ -4,7 +4,8 @@
 # pools fit beside each other (a run's wall time, beside the others, bounds its time alone). Each
 # run's log is WORK/NAME.log; its printed table and wall time end up in WORK/pipelines.txt, its
 # evaluations' summaries and first answers in WORK/NAME-samples.json (`eval_samples`), its RL
-# steps' health and training rollouts in WORK/NAME-steps.txt (`step_health`). Run
+# steps' health and training rollouts in WORK/NAME-steps.txt (`step_health`), its report's
+# reward figure in WORK/NAME-reward.png. Run
 # it through across_calls.sh (call again until it prints `ended`), e.g. the agentic examples:
 #   bash tests/bench/e2e/across_calls.sh /tmp/a bash tests/bench/e2e/pipelines_on_h200.sh /tmp/a \
 #     tool-math "@ configs/agentic/tool_math.toml @ configs/agentic/on_gpu.toml" \
@@ -34,6 +35,7 @@ while [ $# -ge 2 ]; do
     python3 -m tests.bench.e2e.eval_samples "$WORK/runs/$name" "$WORK/$name-samples.json"
     # Its health step by step and what it wrote in training (where a collapse starts)
     python3 -m tests.bench.e2e.step_health "$WORK/runs/$name" "$WORK/$name-steps.txt"
+    cp "$WORK/runs/$name/report/reward.png" "$WORK/$name-reward.png"
   ) &
   sleep 30 # the servers start one after another, so each sizes its memory alone
 done

@@ -1,24 +1,17 @@
 #!/usr/bin/env bash
 # Issue 30 item 2's paired comparison on one GPU, most needed first, for a device call chain
 # that may be cut short. From one SFT checkpoint:
-# 1. primeflow with dynamic sampling on three vLLM servers, TRL's GRPOTrainer, and the same
-#    primeflow with the launch margin (`orchestrator.launch_margin_sd 2`: 0.87x the filter
-#    arm's time in the fifteenth session, its surplus trained two versions behind; two of its
-#    three runs fell hard once);
-# 2. the recipe under NVIDIA MPS: the trainer and the three servers share the GPU at once
-#    instead of taking turns (in the fifteenth session 43 of 149 trainer steps took 0.16-0.22
-#    s against a median of 0.127 s, with the same tokens);
-# 3. the recipe and the margin again on another seed (`run.seed 1`: other prompts, other
-#    samples), since one run per arm could not tell 0.008 of held-out greedy apart, nor whether
-#    the falls are the margin's.
-# 2 and 3 skip TRL: their ratios are against 1's TRL, on the same card in the same chain. Every
-# primeflow arm polls every 10 ms. The GPU tests and the arm without the filter ran in the
-# fifteenth session (4 passed; the filter ahead per step and per second, the second pairing to
-# say so). Two servers were no faster than three (fourteenth session), four no faster than
-# three (thirteenth). TRL comes as its wheel (no package index on the GPU machine): `pip
-# download --no-deps --only-binary=:all: --python-version 3.12 trl==1.16.0` here, carried with
-# the call, installed into ../shared/gpu-vllm's /tmp/site. Run it through across_calls.sh (call
-# again until it prints `ended`):
+# 1. primeflow with dynamic sampling on three vLLM servers, and TRL's GRPOTrainer;
+# 2. the same primeflow under NVIDIA MPS: the trainer and the three servers share the GPU at
+#    once instead of taking turns (in the fifteenth session 43 of 149 trainer steps took
+#    0.16-0.22 s against a median of 0.127 s, with the same tokens). Its ratio is against 1's
+#    TRL, on the same card in the same chain.
+# Every primeflow arm polls every 10 ms. The launch margin (`orchestrator.launch-margin-sd 2`)
+# is no longer run: 0.87x the filter arm's time, but two of its three runs fell hard once and
+# the third ended lowest (docs/benchmarks.md). TRL comes as its wheel (no package index on the
+# GPU machine): `pip download --no-deps --only-binary=:all: --python-version 3.12 trl==1.16.0`
+# here, carried with the call, installed into ../shared/gpu-vllm's /tmp/site. Run it through
+# across_calls.sh (call again until it prints `ended`):
 #   bash tests/bench/e2e/across_calls.sh /tmp/s bash tests/bench/e2e/reference_on_h200.sh \
 #     /tmp/s .gpu-trl/trl-1.16.0-py3-none-any.whl
 set -uo pipefail
@@ -36,7 +29,7 @@ RECIPE=(--inference.num-servers 3 --inference.gpu-ids 0 0 0 --inference.gpu-memo
   --orchestrator.filters '[{"type":"difficulty"}]' --orchestrator.max-concurrent 256)
 SFT="file://$WORK/ref/sft/sft/checkpoints/step_000100"
 "${REFERENCE[@]}" --workdir "$WORK/ref" --out "$WORK/reference.json" \
-  --arm 'margin-2=--orchestrator.launch-margin-sd 2' -- "${RECIPE[@]}"
+  -- "${RECIPE[@]}"
 echo "reference rc=$?"
 (
   export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps CUDA_MPS_LOG_DIRECTORY=$WORK/mps
@@ -47,7 +40,3 @@ echo "reference rc=$?"
     --sft-checkpoint "$SFT" -- "${RECIPE[@]}"
   echo "mps rc=$?"
 )
-"${REFERENCE[@]}" --workdir "$WORK/seed-1" --out "$WORK/seed-1.json" --skip-reference \
-  --sft-checkpoint "$SFT" --arm 'margin-2=--orchestrator.launch-margin-sd 2' \
-  -- "${RECIPE[@]}" --run.seed 1
-echo "seed-1 rc=$?"
