@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Issue 30 item 2's paired comparison on one GPU, most needed first, for a device call chain
-# that may be cut short. From one SFT checkpoint:
-# 1. primeflow with dynamic sampling on three vLLM servers, and TRL's GRPOTrainer;
-# 2. the same primeflow under NVIDIA MPS: the trainer and the three servers share the GPU at
-#    once instead of taking turns (in the fifteenth session 43 of 149 trainer steps took
-#    0.16-0.22 s against a median of 0.127 s, with the same tokens). Its ratio is against 1's
-#    TRL, on the same card in the same chain.
+# Issue 30 item 2's paired comparison on one GPU, from one SFT checkpoint: primeflow with
+# dynamic sampling on three vLLM servers, and TRL's GRPOTrainer, both under NVIDIA MPS, so that
+# the trainer and the three servers share the GPU at once instead of taking turns (in the
+# fifteenth session, without MPS, 43 of 149 trainer steps took 0.16-0.22 s against a median of
+# 0.127 s, with the same tokens). TRL is one process (its vLLM in the trainer's), which MPS
+# leaves as it was.
 # Every primeflow arm polls every 10 ms. The launch margin (`orchestrator.launch-margin-sd 2`)
 # is no longer run: 0.87x the filter arm's time, but two of its three runs fell hard once and
 # the third ended lowest (docs/benchmarks.md). TRL comes as its wheel (no package index on the
@@ -27,16 +26,9 @@ REFERENCE=(python3 -m tests.bench.e2e.bench_reference --config configs/reverse_t
 RECIPE=(--inference.num-servers 3 --inference.gpu-ids 0 0 0 --inference.gpu-memory-utilization 0.1
   --trainer.poll-interval-s 0.01 --orchestrator.poll-interval-s 0.01
   --orchestrator.filters '[{"type":"difficulty"}]' --orchestrator.max-concurrent 256)
-SFT="file://$WORK/ref/sft/sft/checkpoints/step_000100"
-"${REFERENCE[@]}" --workdir "$WORK/ref" --out "$WORK/reference.json" \
-  -- "${RECIPE[@]}"
+export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps CUDA_MPS_LOG_DIRECTORY=$WORK/mps
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"
+nvidia-cuda-mps-control -d
+trap 'echo quit | nvidia-cuda-mps-control' EXIT
+"${REFERENCE[@]}" --workdir "$WORK/ref" --out "$WORK/reference.json" -- "${RECIPE[@]}"
 echo "reference rc=$?"
-(
-  export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps CUDA_MPS_LOG_DIRECTORY=$WORK/mps
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"
-  nvidia-cuda-mps-control -d
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  "${REFERENCE[@]}" --workdir "$WORK/mps-run" --out "$WORK/mps.json" --skip-reference \
-    --sft-checkpoint "$SFT" -- "${RECIPE[@]}"
-  echo "mps rc=$?"
-)
