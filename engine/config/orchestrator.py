@@ -131,7 +131,9 @@ class OrchestratorConfig(BaseConfig):
         Field(
             ge=0,
             description="Drop a group once its oldest token is more than this many versions "
-            "behind the served policy (the limit for rollouts that outlive their batch).",
+            "behind the weights that train on it (version n-1 for batch n): the limit for "
+            "rollouts that outlive their batch. Equal to max_async_level, every batch keeps "
+            "to the async bound exactly.",
         ),
     ] = 8
     max_concurrent: Annotated[

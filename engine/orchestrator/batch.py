@@ -41,7 +41,8 @@ class StepBatch:
 
 
 #: What became of a group offered to a batch: some of its samples went in, it was too far behind
-#: the served policy, the filters dropped all of it, or it had no samples (every rollout skipped).
+#: the weights that train on it, the filters dropped all of it, or it had no samples (every
+#: rollout skipped).
 Admission = Literal["admitted", "stale", "filtered", "empty"]
 
 
@@ -81,16 +82,16 @@ class BatchBuilder:
         """What (samples or tokens) this batch and `later_batches` more of its size lack."""
         return self._batch_size * (1 + later_batches) - self.size
 
-    def add(self, group: Group, served_version: int) -> Admission:
+    def add(self, group: Group) -> Admission:
         """Admit the group if it is fresh, minus what the filters drop; count the rest under
         the step."""
         before = self.size
-        admission = self._admit(group, served_version)
+        admission = self._admit(group)
         if admission != "stale":  # a surplus started too early, not what a group gives
             self.batch.group_yields.append(float(self.size - before))
         return admission
 
-    def _admit(self, group: Group, served_version: int) -> Admission:
+    def _admit(self, group: Group) -> Admission:
         counts = self.batch.counts
         counts["groups"] += 1
         counts["rollouts"] += group.rollouts
@@ -101,7 +102,6 @@ class BatchBuilder:
         stale = stale_group(
             group.samples,
             step=self.batch.step,
-            served_version=served_version,
             max_async_level=self._max_async_level,
             max_off_policy_steps=self._max_off_policy_steps,
         )

@@ -191,7 +191,7 @@ class Orchestrator:
             served = self.server.policy_version
             while self._pending and not builder.full:
                 index, group = self._pending.popleft()
-                admission = builder.add(group, served)
+                admission = builder.add(group)
                 if admission == "admitted":
                     self.filtered.admitted()
                 else:

@@ -56,14 +56,15 @@ def test_the_sizer_learns_from_recent_batches_only() -> None:
     for step in range(1, YIELD_WINDOW + 1):  # every other group dropped
         batch = difficulty_builder(step, 16)
         for gid in range(8):
-            batch.add(group(gid, [1.0, 1.0, 1.0, 1.0] if gid % 2 else [1.0, 0.0, 1.0, 0.0]), 0)
+            rewards = [1.0, 1.0, 1.0, 1.0] if gid % 2 else [1.0, 0.0, 1.0, 0.0]
+            batch.add(group(gid, rewards, version=step - 1))
         sizer.closed(batch.batch)
     dropping = sizer.groups_wanted(difficulty_builder(9, 16))
     assert dropping > 8  # twice the groups for half the yield, and a margin
     for step in range(9, 9 + YIELD_WINDOW):  # nothing dropped any more: the drops are forgotten
         batch = difficulty_builder(step, 16)
         for gid in range(4):
-            batch.add(group(gid, [1.0, 0.0, 1.0, 0.0]), 0)
+            batch.add(group(gid, [1.0, 0.0, 1.0, 0.0], version=step - 1))
         sizer.closed(batch.batch)
     assert sizer.groups_wanted(difficulty_builder(17, 16)) == 4
 
@@ -72,5 +73,5 @@ def test_a_token_batch_is_unsized_until_a_group_landed() -> None:
     sizer = LaunchSizer(group_size=2, unit="tokens", margin_sd=0.0)
     tokens = difficulty_builder(1, 40, unit="tokens")
     assert sizer.groups_wanted(tokens) == math.inf
-    tokens.add(group(0, [1.0, 0.0]), served_version=0)  # 8 tokens
+    tokens.add(group(0, [1.0, 0.0]))  # 8 tokens
     assert sizer.groups_wanted(tokens) == 4  # 32 more tokens

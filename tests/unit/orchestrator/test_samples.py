@@ -89,12 +89,12 @@ def test_a_reply_that_never_ended_counts_with_the_truncated_reward() -> None:
 def test_batches_close_on_whole_groups_and_count_what_they_left_out() -> None:
     builder = difficulty_builder(3, 4, max_off_policy_steps=1)
     behind = group(0, [1.0, 0.0, 0.0], version=0)
-    assert builder.add(behind, served_version=2) == "stale"  # 2 behind
-    assert builder.add(group(1, [0.5, 0.5, 0.5], version=1), served_version=2) == "filtered"
-    assert builder.add(group(2, [1.0, 0.0, 0.0], version=1), served_version=2) == "admitted"
+    assert builder.add(behind) == "stale"  # 2 behind
+    assert builder.add(group(1, [0.5, 0.5, 0.5], version=1)) == "filtered"
+    assert builder.add(group(2, [1.0, 0.0, 0.0], version=1)) == "admitted"
     assert not builder.full
-    assert builder.add(group(3, [0.0, 1.0, 1.0], version=2), served_version=2) == "admitted"
-    assert builder.add(Group("env", 4, []), served_version=2) == "empty"  # every rollout skipped
+    assert builder.add(group(3, [0.0, 1.0, 1.0], version=2)) == "admitted"
+    assert builder.add(Group("env", 4, [])) == "empty"  # every rollout skipped
     assert builder.full and len(builder.batch.samples) == 6
     counts = builder.batch.counts
     assert counts["stale/off_policy"] == 3 and counts["stale/async_bound"] == 0
@@ -111,33 +111,33 @@ def test_a_group_is_stale_by_its_oldest_token_and_dropped_whole() -> None:
     late = group(0, [1.0, 0.0, 0.5])
     for member, version in zip(late.samples, (4, 1, 4), strict=True):
         member.sequence = dataclasses.replace(member.sequence, policy_version=version)
-    assert builder.add(late, served_version=4) == "stale"  # one rollout 3 behind: the group goes
+    assert builder.add(late) == "stale"  # one rollout 3 behind: the group goes
     assert builder.batch.samples == [] and builder.batch.counts["stale/off_policy"] == 3
     # A group that started for an earlier batch is late, not stale, while within the cap.
-    assert builder.add(group(1, [1.0, 0.0], version=2), served_version=4) == "admitted"
+    assert builder.add(group(1, [1.0, 0.0], version=2)) == "admitted"
 
 
 def test_token_batches_count_tokens() -> None:
     builder = BatchBuilder(
         1, batch_size=10, unit="tokens", filters=[], max_async_level=1, max_off_policy_steps=1
     )
-    builder.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
+    builder.add(group(0, [1.0, 0.0]))  # two samples of 4 tokens
     assert builder.size == 8 and not builder.full
-    builder.add(group(1, [1.0]), served_version=0)
+    builder.add(group(1, [1.0]))
     assert builder.full
 
 
 def test_what_a_batch_lacks_and_what_each_fresh_group_gave_it() -> None:
     samples = difficulty_builder(3, 8, max_off_policy_steps=0)
     assert samples.short_of() == 8 and samples.short_of(later_batches=2) == 24
-    samples.add(group(0, [1.0, 0.0], version=0), served_version=3)  # stale: a surplus, not counted
-    samples.add(group(1, [1.0, 0.0, 0.5], version=3), served_version=3)
-    samples.add(group(2, [0.5, 0.5], version=3), served_version=3)  # filtered out
-    samples.add(Group("env", 3, []), served_version=3)  # every rollout skipped
+    samples.add(group(0, [1.0, 0.0], version=0))  # stale: a surplus, not counted
+    samples.add(group(1, [1.0, 0.0, 0.5], version=2))
+    samples.add(group(2, [0.5, 0.5], version=2))  # filtered out
+    samples.add(Group("env", 3, []))  # every rollout skipped
     assert samples.batch.group_yields == [3.0, 0.0, 0.0]
     assert samples.short_of() == 5
     tokens = BatchBuilder(
         1, batch_size=40, unit="tokens", filters=[], max_async_level=0, max_off_policy_steps=1
     )
-    tokens.add(group(0, [1.0, 0.0]), served_version=0)  # two samples of 4 tokens
+    tokens.add(group(0, [1.0, 0.0]))  # two samples of 4 tokens
     assert tokens.batch.group_yields == [8.0] and tokens.short_of() == 32
