@@ -210,6 +210,18 @@ class OrchestratorConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _off_policy_limit_admits_the_async_bound(self) -> OrchestratorConfig:
+        """Below max_async_level the limit would drop rollouts the bound let start: sampled,
+        then thrown away, every step."""
+        if self.max_async_level and self.max_off_policy_steps < self.max_async_level:
+            raise ValueError(
+                f"max_off_policy_steps ({self.max_off_policy_steps}) must be at least "
+                f"max_async_level ({self.max_async_level}): it would drop the rollouts the "
+                "async bound starts"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _batch_holds_whole_groups(self) -> OrchestratorConfig:
         if self.batch_unit == "samples" and self.batch_size % self.rollouts_per_example:
             raise ValueError(

@@ -83,6 +83,7 @@ CONFIG_CASES: list[tuple[str, str | None, list[str], str]] = [
     ("inference-cpu-cores-count", '[inference]\ncpu_cores = ["0-1", "2-3"]', [], r"{file}: inference: cpu_cores has 2 entries; give one per server \(1\)"),
     ("inference-dtype", '[inference]\ndtype = "int3"', [], r"{file}: inference\.dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32' \(got 'int3'\)"),
     ("rl-greedy-sampling", '[orchestrator.sampling]\ntemperature = 0.0', [], r"{file}: orchestrator: sampling\.temperature must be > 0 for RL \(got 0\.0\): the trainer weighs samples by their sampling probability"),
+    ("off-policy-under-async-bound", "[orchestrator]\nmax_async_level = 2\nmax_off_policy_steps = 1", [], r"{file}: orchestrator: max_off_policy_steps \(1\) must be at least max_async_level \(2\): it would drop the rollouts the async bound starts"),
     ("lora-target-head", '[trainer.lora]\ntarget_modules = ["q_proj", "lm_head"]', [], r"{file}: trainer\.lora: target_modules: \['lm_head'\] cannot take a LoRA adapter"),
     ("lora-rank-over-serving", "[trainer.lora]\nrank = 32\n[inference.lora]\nmax_rank = 16", [], r"{file}: trainer\.lora\.rank = 32 exceeds inference\.lora\.max_rank = 16: the servers could not load the adapters"),
     ("pools-full-weights", '[pools]\nname = "shared"', [], r"{file}: pools\.name = 'shared' shares pools between LoRA runs: set trainer\.lora \(a full-weight run gets pools of its own: leave pools\.name unset\)"),
