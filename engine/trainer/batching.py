@@ -71,6 +71,7 @@ def concat_rows(parts: Sequence[PackedRows]) -> PackedRows:
         advantages=np.concatenate([p.advantages for p in parts]),
         temperatures=np.concatenate([p.temperatures for p in parts]),
         loss_weights=np.concatenate([p.loss_weights for p in parts]),
+        lags=np.concatenate([p.lags for p in parts]),
         doc_lens=[lens for p in parts for lens in p.doc_lens],
         sample_index=[members for p in parts for members in p.sample_index],
     )

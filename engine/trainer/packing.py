@@ -29,9 +29,10 @@ class Sample:
 
     `loss_mask[i]` says token `i` is trained on (it was sampled by the policy, or is an assistant
     token in SFT); `logprobs[i]` is its inference log-probability (0 where unknown). `advantage`,
-    `temperature` and `weight` (what each of its tokens weighs in the loss: 1, or a sequence
-    normalisation's share, `engine.trainer.loss.sequence_weights`) are per sample; they become
-    per-token arrays when packed.
+    `temperature`, `weight` (what each of its tokens weighs in the loss: 1, or a sequence
+    normalisation's share, `engine.trainer.loss.sequence_weights`) and `lag` (how many versions
+    its oldest token is behind the weights that train on it: 0 on-policy and in SFT) are per
+    sample; they become per-token arrays when packed.
     """
 
     token_ids: np.ndarray  # [n] int64
@@ -40,6 +41,7 @@ class Sample:
     advantage: float = 1.0
     temperature: float = 1.0
     weight: float = 1.0
+    lag: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -71,6 +73,7 @@ class PackedRows:
     advantages: np.ndarray  # [R, S] float32
     temperatures: np.ndarray  # [R, S] float32 (1.0 on padding)
     loss_weights: np.ndarray  # [R, S] float32, each token's weight in the loss (1.0 on padding)
+    lags: np.ndarray  # [R, S] int32, the sample's `lag` (0 on padding)
     doc_lens: list[list[int]] = field(default_factory=list)
     sample_index: list[list[int]] = field(default_factory=list)
 
@@ -99,6 +102,7 @@ class PackedRows:
             advantages=self.advantages[index],
             temperatures=self.temperatures[index],
             loss_weights=self.loss_weights[index],
+            lags=self.lags[index],
             doc_lens=[self.doc_lens[i] for i in rows],
             sample_index=[self.sample_index[i] for i in rows],
         )
@@ -115,6 +119,7 @@ def truncate(sample: Sample, max_len: int) -> Sample:
         advantage=sample.advantage,
         temperature=sample.temperature,
         weight=sample.weight,
+        lag=sample.lag,
     )
 
 
@@ -157,6 +162,7 @@ def empty_rows(num_rows: int, seq_len: int) -> PackedRows:
         advantages=np.zeros(shape, np.float32),
         temperatures=np.ones(shape, np.float32),
         loss_weights=np.ones(shape, np.float32),
+        lags=np.zeros(shape, np.int32),
         doc_lens=[[seq_len] for _ in range(num_rows)],
         sample_index=[[] for _ in range(num_rows)],
     )
@@ -183,6 +189,7 @@ def pack_samples(samples: Sequence[Sample], seq_len: int) -> PackedRows:
             rows.advantages[r, start:end] = sample.advantage
             rows.temperatures[r, start:end] = sample.temperature
             rows.loss_weights[r, start:end] = sample.weight
+            rows.lags[r, start:end] = sample.lag
             lens.append(n)
             start = end
         if start < seq_len:

@@ -55,6 +55,8 @@ def samples_from_rollouts(
     logprob_offsets, logprobs = _flat(table, "logprobs", np.float32)
     advantages = table.column("advantage").to_numpy().astype(np.float64)
     temperatures = table.column("temperature").to_numpy().astype(np.float64)
+    # Versions behind the weights that train on batch `step` (version step - 1).
+    lags = (step - 1) - table.column("policy_version").to_numpy().astype(np.int64)
     lengths = np.diff(offsets)
     if len(token_ids) and token_ids.max() >= vocab_size:
         bad = int(np.searchsorted(offsets, np.argmax(token_ids >= vocab_size), side="right")) - 1
@@ -83,6 +85,7 @@ def samples_from_rollouts(
             logprobs=logprobs[logprob_offsets[row] : logprob_offsets[row + 1]],
             advantage=float(advantages[row]),
             temperature=float(temperatures[row]),
+            lag=int(lags[row]),
         )
         samples.append(truncate(sample, seq_len))
     return samples

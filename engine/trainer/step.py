@@ -72,7 +72,46 @@ def forward_micro_batch(
     weights = _tensor(rows.loss_weights, device).reshape(-1)
     loss_sum, metric_sums = masked_sums(outputs, loss_mask, weights)
     metric_sums["entropy"] = (entropy.detach() * loss_mask).sum()
+    if "mismatch_kl" in outputs.metrics:
+        stale = _tensor(rows.lags, device).reshape(-1) > 0
+        metric_sums.update(lag_split(outputs.metrics["mismatch_kl"], loss_mask, stale))
     return loss_sum, metric_sums
+
+
+def lag_split(kl: Tensor, loss_mask: Tensor, stale: Tensor) -> dict[str, Tensor]:
+    """Sums that split the mismatch KL between samples drawn by the weights being trained and
+    samples drawn by older ones (all [T]).
+
+    On the fresh ones it is the trainer's and the sampler's numerics alone; on the stale ones
+    it adds how far the policy moved since they were drawn, which is the size of recent
+    updates. One number mixes the two, and the share of stale tokens moves it as much as either.
+    """
+    kl = kl.detach()
+    on_stale = loss_mask & stale
+    on_fresh = loss_mask & ~stale
+    return {
+        "lag_split/stale_tokens": on_stale.sum(),
+        "lag_split/stale_kl": (kl * on_stale).sum(),
+        "lag_split/fresh_tokens": on_fresh.sum(),
+        "lag_split/fresh_kl": (kl * on_fresh).sum(),
+    }
+
+
+def lag_split_means(totals: dict[str, float]) -> dict[str, float]:
+    """Takes `lag_split`'s sums (over all ranks) out of `totals`; the stale share of loss
+    tokens and the mean mismatch KL of each kind that has tokens."""
+    if "lag_split/stale_tokens" not in totals:
+        return {}
+    stale, stale_kl, fresh, fresh_kl = (
+        totals.pop(f"lag_split/{key}")
+        for key in ("stale_tokens", "stale_kl", "fresh_tokens", "fresh_kl")
+    )
+    means = {"stale_token_fraction": stale / max(stale + fresh, 1.0)}
+    if stale:
+        means["mismatch_kl_stale"] = stale_kl / stale
+    if fresh:
+        means["mismatch_kl_fresh"] = fresh_kl / fresh
+    return means
 
 
 def _clip(policy: PolicyModel, max_norm: float | None) -> Tensor:
@@ -181,7 +220,8 @@ def train_step(
     local_tokens = sum(int(rows.real_tokens().sum()) for rows in micro_batches)
     totals = all_reduce_sum({**_to_floats(sums), "tokens": local_tokens}, device)
     tokens = int(totals.pop("tokens"))
-    metrics = _summarise(totals, global_loss_tokens)
+    split = lag_split_means(totals)
+    metrics = {**_summarise(totals, global_loss_tokens), **split}
     metrics.update(
         grad_norm=grad_norm,
         lr=lr,
@@ -217,4 +257,6 @@ def eval_step(
             _accumulate(sums, {"loss": loss_sum, **metric_sums})
     finally:
         ctx.policy.train()
-    return _summarise(all_reduce_sum(_to_floats(sums), ctx.dist.device), loss_tokens)
+    totals = all_reduce_sum(_to_floats(sums), ctx.dist.device)
+    split = lag_split_means(totals)
+    return {**_summarise(totals, loss_tokens), **split}

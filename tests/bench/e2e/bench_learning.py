@@ -184,6 +184,9 @@ def learning_health(train: Sequence[dict], orch: Sequence[dict]) -> dict[str, fl
         "nonzero_token_fraction": _mean(_series(orch, "advantage/nonzero_token_fraction")),
         "clip_fraction": _mean(clip),
         "mismatch_kl": _mean(_series(train, "mismatch_kl")),
+        # Numerics alone, and numerics plus recent updates' movement (samples drawn before them)
+        "mismatch_kl_fresh": _mean(_series(train, "mismatch_kl_fresh")),
+        "mismatch_kl_stale": _mean(_series(train, "mismatch_kl_stale")),
         "ratio": _mean(_series(train, "ratio")),
         "grad_norm": _mean(grad_norms),
         "grad_norm_first25": _mean(grad_norms[:25]),

@@ -2,10 +2,11 @@
 bring back from the GPU machine: where a collapse starts shows in no mean over the run.
 
 One line per RL step (training reward, truncated share, groups without advantage | entropy,
-trainer-inference mismatch KL, importance ratio, gradient norm, skipped update), then the first
-`--rollouts` training rollouts of a few steps, each with its reward, advantage and the end of its
-completion. The agentic examples' collapse on the GPU model was found with it: their calls broke
-within 16 steps while the training reward was still flat (docs/benchmarks.md).
+trainer-inference mismatch KL on all samples, on those of the weights being trained and on
+older ones, the oldest sample's lag, importance ratio, gradient norm, skipped update), then the
+first `--rollouts` training rollouts of a few steps, each with its reward, advantage and the end
+of its completion. The agentic examples' collapse on the GPU model was found with it: their
+calls broke within 16 steps while the training reward was still flat (docs/benchmarks.md).
 
     python -m tests.bench.e2e.step_health RUN_FOLDER OUT.txt [--every 20] [--rollouts 4]
 """
@@ -29,6 +30,9 @@ COLUMNS = (
     ("orchestrator", "advantage/zero_group_fraction"),
     ("rl", "entropy"),
     ("rl", "mismatch_kl"),
+    ("rl", "mismatch_kl_fresh"),
+    ("rl", "mismatch_kl_stale"),
+    ("rl", "policy_lag_max"),
     ("rl", "ratio"),
     ("rl", "grad_norm"),
     ("rl", "skipped"),

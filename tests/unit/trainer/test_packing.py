@@ -12,7 +12,12 @@ from engine.trainer.packing import Sample, assign_rows, pack_samples, truncate
 
 
 def make_sample(
-    n: int, seed: int, advantage: float = 1.0, temperature: float = 1.0, weight: float = 1.0
+    n: int,
+    seed: int,
+    advantage: float = 1.0,
+    temperature: float = 1.0,
+    weight: float = 1.0,
+    lag: int = 0,
 ) -> Sample:
     rng = np.random.default_rng(seed)
     return Sample(
@@ -22,6 +27,7 @@ def make_sample(
         advantage=advantage,
         temperature=temperature,
         weight=weight,
+        lag=lag,
     )
 
 
@@ -32,7 +38,7 @@ lengths_strategy = st.lists(st.integers(1, 32), min_size=1, max_size=40)
 @given(lengths=lengths_strategy, seq_len=st.integers(32, 80))
 def test_every_sample_lands_once_and_rows_fit(lengths: list[int], seq_len: int) -> None:
     samples = [
-        make_sample(n, i, advantage=float(i), temperature=0.5 + i, weight=1.0 / n)
+        make_sample(n, i, advantage=float(i), temperature=0.5 + i, weight=1.0 / n, lag=i % 3)
         for i, n in enumerate(lengths)
     ]
     rows = pack_samples(samples, seq_len)
@@ -62,9 +68,10 @@ def test_every_sample_lands_once_and_rows_fit(lengths: list[int], seq_len: int) 
             assert (rows.advantages[r, span] == sample.advantage).all()
             assert (rows.temperatures[r, span] == sample.temperature).all()
             assert (rows.loss_weights[r, span] == np.float32(sample.weight)).all()
+            assert (rows.lags[r, span] == sample.lag).all()
             start += n
         # Padding: its own document, no loss, positions restart.
-        assert not rows.loss_mask[r, start:].any()
+        assert not rows.loss_mask[r, start:].any() and not rows.lags[r, start:].any()
         np.testing.assert_array_equal(rows.position_ids[r, start:], np.arange(seq_len - start))
     # Loss tokens are preserved exactly by packing.
     assert rows.loss_mask.sum() == sum(int(s.loss_mask[1:].sum()) for s in samples)

@@ -1,5 +1,6 @@
 """One optimizer step: a batch whose gradient norm is not finite, or exactly zero (an RL batch
-without advantage), leaves the weights and the optimizer's state alone.
+without advantage), leaves the weights and the optimizer's state alone; its mismatch KL is
+split between samples of the weights being trained and older ones.
 
 The same check runs on GPU (`tests/gpu`), where fused AdamW skips on the device instead of the
 host reading the norm first.
@@ -12,17 +13,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from engine.config.trainer import ConstantSchedulerConfig, OptimizerConfig
+from engine.config.trainer import AipoLossConfig, ConstantSchedulerConfig, OptimizerConfig
 from engine.trainer.batching import micro_batches
 from engine.trainer.distributed import init_distributed
-from engine.trainer.loss import LossFn, LossInputs, LossOutputs, sft_loss
+from engine.trainer.loss import LossFn, LossInputs, LossOutputs, build_loss, sft_loss
 from engine.trainer.model import ModelOptions, build_policy, compute_dtype, load_causal_lm
 from engine.trainer.optim import build_optimizer
 from engine.trainer.packing import Sample, pack_samples
 from engine.trainer.schedule import build_scheduler
-from engine.trainer.step import StepContext, train_step
+from engine.trainer.step import StepContext, lag_split, lag_split_means, train_step
 
 
 def scaled_sft_loss(factor: float) -> LossFn:
@@ -41,10 +43,15 @@ zero_loss = scaled_sft_loss(0.0)
 
 
 def two_steps(
-    model_dir: Path, first: LossFn, backend: str = "gloo", second: LossFn = sft_loss
+    model_dir: Path,
+    first: LossFn,
+    backend: str = "gloo",
+    second: LossFn = sft_loss,
+    lags: tuple[int, int, int] = (0, 0, 0),
 ) -> list[dict]:
-    """Step with `first`, then with `second`; per step its metrics, the weights after it (full
-    tensors, on the CPU) and the optimizer's step counts."""
+    """Step with `first`, then with `second`, on three samples `lags` versions behind; per
+    step its metrics, the weights after it (full tensors, on the CPU) and the optimizer's step
+    counts."""
     dist = init_distributed(backend)  # type: ignore[arg-type]
     dtype = compute_dtype("auto", dist.device)
     options = ModelOptions(compute_dtype=dtype)
@@ -54,8 +61,8 @@ def two_steps(
     scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), 10)
     rng = np.random.default_rng(0)
     samples = [
-        Sample(rng.integers(0, 100, n), np.ones(n, bool), np.zeros(n, np.float32))
-        for n in (30, 20, 40)
+        Sample(rng.integers(0, 100, n), np.ones(n, bool), np.full(n, -4.0, np.float32), lag=lag)
+        for n, lag in zip((30, 20, 40), lags, strict=True)
     ]
     rows = pack_samples(samples, 64)
     loss_tokens = int(rows.loss_mask.sum())
@@ -113,3 +120,33 @@ def test_a_step_without_signal_leaves_the_weights_and_the_moments_alone(
     tiny_model_dir: Path,
 ) -> None:
     check_step_then_no_signal(two_steps(tiny_model_dir, sft_loss, second=zero_loss))
+
+
+def test_the_mismatch_kl_splits_by_lag() -> None:
+    kl = torch.tensor([0.1, 0.2, 0.3, 0.4, 9.0])
+    loss_mask = torch.tensor([True, True, True, True, False])
+    stale = torch.tensor([False, False, True, True, True])
+    sums = {key: float(value) for key, value in lag_split(kl, loss_mask, stale).items()}
+    means = lag_split_means({**sums, "loss": 1.0})
+    assert means == {
+        "stale_token_fraction": 0.5,
+        "mismatch_kl_stale": pytest.approx(0.35),
+        "mismatch_kl_fresh": pytest.approx(0.15),
+    }
+    assert lag_split_means({"loss": 1.0}) == {}  # a loss without a mismatch KL (SFT)
+    on_policy = lag_split(kl, loss_mask, torch.zeros(5, dtype=torch.bool))
+    means = lag_split_means({key: float(value) for key, value in on_policy.items()})
+    assert means == {"stale_token_fraction": 0.0, "mismatch_kl_fresh": pytest.approx(0.25)}
+
+
+def test_a_step_reports_the_mismatch_kl_of_stale_and_fresh_samples(tiny_model_dir: Path) -> None:
+    """Three samples of 30, 20 and 40 tokens, the 20 one a version behind: the stale share of
+    loss tokens is 19 / 87, and the two means average back to the step's mismatch KL."""
+    aipo = build_loss(AipoLossConfig())
+    _, stepped, _ = two_steps(tiny_model_dir, aipo, second=aipo, lags=(0, 1, 0))
+    metrics = stepped["metrics"]
+    assert metrics["stale_token_fraction"] == pytest.approx(19 / 87)
+    share = metrics["stale_token_fraction"]
+    assert metrics["mismatch_kl_stale"] > 0 and metrics["mismatch_kl_fresh"] > 0
+    blended = share * metrics["mismatch_kl_stale"] + (1 - share) * metrics["mismatch_kl_fresh"]
+    assert blended == pytest.approx(metrics["mismatch_kl"], rel=1e-5)
