@@ -3,9 +3,11 @@
 # call comes at once: the first call starts COMMAND in a session of its own (it outlives the
 # call) with its output in WORKDIR/run.log and its exit status in WORKDIR/rc when it ends; every
 # call, the first too, then waits up to $WAIT_S seconds (default 540) for it to end and copies
-# what it has so far into $OUT: WORKDIR's *.json, *.png, *.txt and *.tgz, run.log, and the last lines of every
-# other log under WORKDIR (tails.log). Call it again (same WORKDIR, any COMMAND) until it prints
-# `ended rc=N`.
+# what it has so far into $OUT as three files: run.log, the last lines of every other log under
+# WORKDIR (tails.log), and WORKDIR's *.json, *.png, *.txt and *.tgz in results.tgz (a call
+# brings back at most 8 files: two pipelines' outputs alone were more, and the rest stayed
+# behind). Call it again (same WORKDIR, any COMMAND) until it prints `ended rc=N`; here,
+# `tar xzf results.tgz` in the call's files folder.
 #   bash tests/bench/e2e/across_calls.sh WORKDIR COMMAND [ARGS ...]
 set -uo pipefail
 WORK=$1
@@ -21,7 +23,8 @@ deadline=$(($(date +%s) + ${WAIT_S:-540}))
 while [ "$(date +%s)" -lt "$deadline" ] && [ ! -f "$WORK/rc" ]; do
   sleep 5
 done
-cp "$WORK"/*.json "$WORK"/*.png "$WORK"/*.txt "$WORK"/*.tgz "$OUT/" 2>/dev/null
+(cd "$WORK" && find . -maxdepth 1 -type f \( -name '*.json' -o -name '*.png' -o -name '*.txt' \
+  -o -name '*.tgz' \) -print0 | tar czf "$OUT/results.tgz" --null -T -)
 cp "$WORK/run.log" "$OUT/run.log"
 find "$WORK" -maxdepth 2 -name '*.log' ! -name run.log ! -path "$OUT/*" -size -64M \
   -exec sh -c 'for f; do echo "== $f"; tail -n 15 "$f"; done' sh {} + > "$OUT/tails.log" 2>/dev/null
