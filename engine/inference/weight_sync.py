@@ -80,10 +80,11 @@ class WeightSync:
         self.unpacked_ahead = 0
         self._count_lock = threading.Lock()
         #: Where the last reload's time went, in seconds: `fetch` (the chain into the local
-        #: cache, hashes checked), `stage`, `load` and `paused` (the slowest server's
-        #: unpacking of deltas while it still generates, its weight load, and its whole pause:
-        #: load, KV reset and the pause and resume calls). The orchestrator
-        #: reports them per step; a slow swap is otherwise one number with no culprit.
+        #: cache, hashes checked), then the slowest server's `stage` (its deltas unpacked
+        #: while it still generates) and `paused` (its whole pause), which is `pause_call`
+        #: (until generation stopped), `load`, `reset` (the KV cache dropped, the served
+        #: version recorded) and `resume_call`. The orchestrator reports them per step; a
+        #: slow swap is otherwise one number with no culprit.
         self.last_swap: dict[str, float] = {}
         self._server_swaps: dict[int, dict[str, float]] = {}
 
@@ -255,14 +256,23 @@ class WeightSync:
             try:
                 loading = time.monotonic()
                 results = self.fleet.rpc(http, _RELOAD_METHOD, str(version), *map(str, folders))
-                loaded = time.monotonic() - loading
+                resetting = time.monotonic()
                 confirm_version(results, version)
                 _reset_kv_cache(http)
                 endpoint.serve(version, commit_meta(folders[-1]))
             finally:
+                resuming = time.monotonic()
                 with contextlib.suppress(httpx.HTTPError):
                     http.post("/resume")
-        swap = {"stage": paused - staging, "load": loaded, "paused": time.monotonic() - paused}
+        ended = time.monotonic()
+        swap = {
+            "stage": paused - staging,
+            "pause_call": loading - paused,
+            "load": resetting - loading,
+            "reset": resuming - resetting,
+            "resume_call": ended - resuming,
+            "paused": ended - paused,
+        }
         self._server_swaps[server.spec.index] = swap
         with self._count_lock:
             self.unpacked_ahead += sum(int(r.get("unpacked_ahead", 0)) for r in results)
