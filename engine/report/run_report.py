@@ -320,7 +320,8 @@ def _draw_online_evals(ax: Any, lines: Sequence[Mapping[str, Any]]) -> None:
 
 def _draw_health(ax: Any, metrics: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
     """Whether RL can still learn: the policy's entropy (left axis), and the shares of
-    groups with no advantage and of tokens the loss clipped or capped (right axis)."""
+    groups with no advantage, of tokens the loss clipped or capped, and of tokens sampled by
+    weights older than those trained (right axis)."""
     ax.grid(alpha=0.3)
     ax.set_title("RL learning health", fontsize=10)
     ax.set_xlabel("RL step")
@@ -336,6 +337,7 @@ def _draw_health(ax: Any, metrics: Mapping[str, Sequence[Mapping[str, Any]]]) ->
         ("rl", "clip_low_fraction", "tab:cyan"),
         ("rl", "clip_high_fraction", "tab:pink"),
         ("rl", "masked_fraction", "tab:olive"),
+        ("rl", "stale_token_fraction", "tab:purple"),
     ):
         xs, ys = _series(metrics.get(stage, []), key)
         if xs:

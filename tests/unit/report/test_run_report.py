@@ -114,7 +114,13 @@ def test_sample_tables_show_each_policy_on_the_same_prompts(store: ObjectStore) 
 
 def test_the_plot_draws_online_evaluations_and_learning_health() -> None:
     rl = [
-        {"step": s, "loss": 0.1, "entropy": 0.5 - 0.05 * s, "capped_fraction": 0.01}
+        {
+            "step": s,
+            "loss": 0.1,
+            "entropy": 0.5 - 0.05 * s,
+            "capped_fraction": 0.01,
+            "stale_token_fraction": 0.0 if s == 1 else 0.75,
+        }
         for s in (1, 2, 3)
     ]
     orchestrator = [
@@ -135,6 +141,7 @@ def test_the_plot_draws_online_evaluations_and_learning_health() -> None:
     assert curves["entropy (nats/token)"][1] == pytest.approx([0.45, 0.4, 0.35])
     assert curves["advantage/zero_group_fraction"] == ([1, 2, 3], [0.25] * 3)
     assert curves["capped_fraction"][1] == [0.01] * 3
+    assert curves["stale_token_fraction"] == ([1, 2, 3], [0.0, 0.75, 0.75])
 
 
 def test_a_run_without_evaluations_still_gets_a_plot() -> None:
