@@ -225,7 +225,7 @@ def test_killed_flow_process_then_rerun_resumes_and_completes(worker: Path, tmp_
     assert header == "data:image/png;base64"
     assert base64.b64decode(encoded) == (runs / "resume-me" / "report" / "reward.png").read_bytes()
     # The server takes events in the background: the last checkpoint's may land late. Under a
-    # full suite on 2 cores it once took more than 30 s (it came within 2 s run alone).
+    # full suite on 2 cores it once took more than 30 s (run alone, the test passed).
     wait_until(
         lambda: max_steps in {e.payload["step"] for e in checkpoint_events("resume-me", "rl")},
         120,
