@@ -179,9 +179,12 @@ def _to_floats(sums: dict[str, Tensor]) -> dict[str, float]:
 
 
 def _summarise(sums: dict[str, float], loss_tokens: int) -> dict[str, float]:
-    """Per-token means of the summed metrics (loss tokens of the whole step, all ranks)."""
+    """Per-token means of the summed metrics (loss tokens of the whole step, all ranks), and
+    the mismatch KL split by lag (`lag_split_means`, over the tokens of each kind)."""
+    totals = dict(sums)
+    split = lag_split_means(totals)
     denominator = max(loss_tokens, 1)
-    return {name: value / denominator for name, value in sums.items()}
+    return {**{name: value / denominator for name, value in totals.items()}, **split}
 
 
 def train_step(
@@ -220,8 +223,7 @@ def train_step(
     local_tokens = sum(int(rows.real_tokens().sum()) for rows in micro_batches)
     totals = all_reduce_sum({**_to_floats(sums), "tokens": local_tokens}, device)
     tokens = int(totals.pop("tokens"))
-    split = lag_split_means(totals)
-    metrics = {**_summarise(totals, global_loss_tokens), **split}
+    metrics = _summarise(totals, global_loss_tokens)
     metrics.update(
         grad_norm=grad_norm,
         lr=lr,
@@ -257,6 +259,4 @@ def eval_step(
             _accumulate(sums, {"loss": loss_sum, **metric_sums})
     finally:
         ctx.policy.train()
-    totals = all_reduce_sum(_to_floats(sums), ctx.dist.device)
-    split = lag_split_means(totals)
-    return {**_summarise(totals, loss_tokens), **split}
+    return _summarise(all_reduce_sum(_to_floats(sums), ctx.dist.device), loss_tokens)
