@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -69,6 +70,24 @@ def torchrun_command(config: PrimeflowConfig, stage: PoolStage, config_path: Pat
     return [*command, "-m", "engine.trainer.worker", "--config", str(config_path), "--stage", stage]
 
 
+def rank_environment(config: PrimeflowConfig, parent: Mapping[str, str]) -> dict[str, str]:
+    """The environment torchrun and its ranks start with: `parent`'s, plus the trainer's threads
+    and GPUs.
+
+    OpenMP's threads sleep at barriers unless `parent` says otherwise: libgomp spins ~300,000
+    times first, burning a core another process is waiting for. On a loaded 2-core machine the
+    CPU demo's SFT took 5 min 1 s with them spinning and 1 min 17 s asleep (docs/benchmarks.md,
+    "PPO's clipped surrogate"). libgomp reads the setting once, when torch loads it, so it must
+    be in the environment the ranks start with.
+    """
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **parent}
+    if config.trainer.num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.trainer.num_threads)
+    if config.trainer.parallel.gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, config.trainer.parallel.gpu_ids))
+    return env
+
+
 class TrainerPool:
     """One node's share of the trainer: a torchrun process group."""
 
@@ -98,11 +117,7 @@ class TrainerPool:
     def start(self) -> None:
         config_path = Path(self._tmp.name) / "config.json"
         config_path.write_text(self.config.model_dump_json())
-        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
-        if self.config.trainer.num_threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.config.trainer.num_threads)
-        if self.config.trainer.parallel.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.config.trainer.parallel.gpu_ids))
+        env = {**rank_environment(self.config, os.environ), SUPERVISOR_ENV: str(os.getpid())}
         log = None
         if self.log_path is not None:
             env[STACKS_DIR_ENV] = str(self.stacks_dir)
