@@ -72,14 +72,14 @@ class Recipe:
 #: threshold sits 3.6 deviations below the mean. With per-step noise σ ≈ 0.028 the rise over 30
 #: steps has a standard error of 29·σ/√2247.5 ≈ 0.017 about no learning at all.
 SHORT = Recipe("short", (DEMO, Path(__file__).with_name("short.toml")), min_training_rise=0.01)
-#: The whole demo (seed 0, as here) measured three times on 2026-12-05 with seeds 0, 1, 2
-#: (docs/benchmarks.md, "The CPU demo, honestly"): training rise +0.027 / +0.042 / +0.002 (its
-#: standard error over 150 steps at a per-step noise of ~0.028 is ~0.008); held-out greedy
-#: RL - SFT −0.000 / +0.007 / −0.004 (stderr ≤ 0.004); sampled +0.024 / +0.026 / +0.002 (stderr
-#: ~0.01). RL sharpens the annealed SFT policy and must not cost its greedy answer: the
-#: thresholds sit 2.4 (sampled) to 5 (greedy) standard errors below seed 0's figures.
+#: The whole demo (seed 0, as here) measured three times on 2026-12-07 with seeds 0, 1, 2
+#: (docs/benchmarks.md, "The CPU demo with PPO's clipped surrogate"): training rise +0.107 /
+#: +0.115 / +0.130; held-out RL - SFT greedy +0.033 / +0.082 / +0.123 and sampled +0.116 /
+#: +0.121 / +0.142, each ± 0.010-0.012 (standard error over 200 prompts). The thresholds sit
+#: 3.3 (greedy), 6 (sampled) and ~7 (training rise, stderr ~0.008) standard errors below seed
+#: 0's figures: RL must raise the sampled answer and must not cost the greedy one.
 WHOLE = Recipe(
-    "demo", (DEMO,), min_training_rise=0.0, min_greedy_change=-0.02, min_sampled_change=0.0
+    "demo", (DEMO,), min_training_rise=0.05, min_greedy_change=0.0, min_sampled_change=0.05
 )
 PAGE, EVENTS_PAGE = 200, 50  # the Prefect API's largest pages
 

@@ -169,21 +169,24 @@ def test_gpu_demo_is_the_cpu_task_on_one_gpu_with_room_left_for_rl() -> None:
     assert config.inference.device == "cuda" and config.trainer.dtype == "bfloat16"
     assert config.inference.gpu_ids == config.trainer.parallel.gpu_ids == [0]
     assert config.trainer.cpu_cores is None and config.inference.cpu_cores == []
-    # The same task, batch, sampling and evaluation as the CPU demo; the CPU demo's prompt is
-    # shorter (every prompt token costs its trainer on 2 cores), so its context is too. The GPU
-    # keeps every rollout the async bound allows in flight (the batch being built and the next).
+    # The same task, sampling and evaluation as the CPU demo; the CPU demo's prompt is shorter
+    # (every prompt token costs its trainer on 2 cores), so its context is too, and its batch
+    # is 64 prompts × 4 (the 0.44M model's greedy answer fell at 16 × 8). The GPU keeps every
+    # rollout the async bound allows in flight (the batch being built and the next).
     sampler = config.orchestrator
     assert sampler.max_concurrent == (sampler.max_async_level + 1) * sampler.batch_size
     differ = {"model", "seq_len", "max_steps", "advantage", "truncated_reward", "envs"}
+    differ |= {"batch_size", "rollouts_per_example"}
     same = {"exclude": differ | {"max_concurrent"}}
     for section in ("orchestrator", "eval"):
         gpu_side, cpu_side = getattr(config, section), getattr(cpu, section)
         assert gpu_side.model_dump(**same) == cpu_side.model_dump(**same), section
         assert [e.id for e in gpu_side.envs] == [e.id for e in cpu_side.envs], section
     assert config.sft.data.env == cpu.sft.data.env
-    # The bigger model learns the task from 20,000 demonstrations outright (greedy 1.000 after
-    # SFT): the GPU demo's SFT sees few, so that RL has something to add (docs/benchmarks.md).
-    assert config.sft.data.num_examples <= 256 < cpu.sft.data.num_examples
+    # From 20,000 demonstrations SFT learns the task outright (greedy 1.000 on the GPU model,
+    # 0.885 on the CPU one): both demos' SFT sees few, so that RL has something to add
+    # (docs/benchmarks.md).
+    assert config.sft.data.num_examples <= 256 and cpu.sft.data.num_examples <= 256
     assert config.orchestrator.advantage.std_normalize
     assert config.orchestrator.truncated_reward == 0.0
 
