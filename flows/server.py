@@ -162,9 +162,7 @@ def start(
             [
                 sys.executable,
                 "-m",
-                "prefect",
-                "server",
-                "start",
+                "flows.server_process",  # `prefect server start`, its SQLite deadlock fixed
                 "--host",
                 host,
                 "--port",
