@@ -72,7 +72,7 @@ def _wait_for_runs(deployment_id: Any, timeout_s: float = 60) -> list:
 def test_deployments_exist_with_their_pool_and_parameters(deployed: dict[str, Any]) -> None:
     pipeline = deployed["post-train/reverse-text"]
     assert pipeline.work_pool_name == "primeflow-local"
-    assert pipeline.parameters["config"]["orchestrator"]["rollouts_per_example"] == 8
+    assert pipeline.parameters["config"]["orchestrator"]["rollouts_per_example"] == 4
     assert "config" in pipeline.parameter_openapi_schema["properties"]
     assert not deployed["evaluate/scheduled"].schedules[0].active
 
