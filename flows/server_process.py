@@ -16,6 +16,7 @@ turn, as the issue proposes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 import sqlalchemy as sa
@@ -32,6 +33,7 @@ _EVENT_KEYS = {
     "deleted": "automation__deleted",
 }
 _prefects_notify = automations._notify
+_LOG = logging.getLogger(__name__)
 
 
 async def notify_on_the_loop(session: AsyncSession, automation: Automation, event: str) -> None:
@@ -48,7 +50,14 @@ async def notify_on_the_loop(session: AsyncSession, automation: Automation, even
     def refresh_after_commit(_: object) -> None:
         task = loop.create_task(automation_changed(automation.id, event_key))  # type: ignore[arg-type]
         _REFRESHES.add(task)
-        task.add_done_callback(_REFRESHES.discard)
+        task.add_done_callback(_refreshed)
+
+
+def _refreshed(task: asyncio.Task[None]) -> None:
+    """Forget a finished refresh; report its failure, as Prefect's own listener does."""
+    _REFRESHES.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        _LOG.error("failed to refresh the in-memory automations", exc_info=error)
 
 
 def main(argv: list[str]) -> None:

@@ -76,7 +76,7 @@ def rank_environment(config: PrimeflowConfig, parent: Mapping[str, str]) -> dict
 
     OpenMP's threads sleep at barriers unless `parent` says otherwise: libgomp spins ~300,000
     times first, burning a core another process is waiting for. On a loaded 2-core machine the
-    CPU demo's SFT took 5 min 1 s with them spinning and 1 min 17 s asleep (docs/benchmarks.md,
+    CPU demo's SFT took 5 min 1 s with them spinning and 1 min 15 s asleep (docs/benchmarks.md,
     "PPO's clipped surrogate"). libgomp reads the setting once, when torch loads it, so it must
     be in the environment the ranks start with.
     """
