@@ -175,8 +175,8 @@ def test_gpu_demo_is_the_cpu_task_on_one_gpu_with_room_left_for_rl() -> None:
     # rollout the async bound allows in flight (the batch being built and the next).
     sampler = config.orchestrator
     assert sampler.max_concurrent == (sampler.max_async_level + 1) * sampler.batch_size
-    differ = {"model", "seq_len", "max_steps", "advantage", "truncated_reward", "envs"}
-    differ |= {"batch_size", "rollouts_per_example"}
+    differ = {"model", "seq_len", "max_steps", "advantage", "truncated_reward", "envs",
+              "batch_size", "rollouts_per_example"}  # fmt: skip
     same = {"exclude": differ | {"max_concurrent"}}
     for section in ("orchestrator", "eval"):
         gpu_side, cpu_side = getattr(config, section), getattr(cpu, section)
