@@ -271,7 +271,8 @@ def figure_png(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("RL step (policy version)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
-    axes[1].legend(fontsize=7, loc="lower right")
+    if axes[1].lines:  # the first collections come before any arm has evaluated
+        axes[1].legend(fontsize=7, loc="lower right")
     figure.savefig(path, format="png")
 
 
