@@ -71,6 +71,21 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(flags)
 
 
+Arm = tuple[str, list[str]]
+
+
+def select_arms(specs: list[Arm], only: str | None) -> list[Arm]:
+    """The arms named in `only` (comma-separated), in the file's order: a grid longer than one
+    device session runs in parts, each with its baseline arm named again."""
+    if not only:
+        return specs
+    wanted = [name.strip() for name in only.split(",") if name.strip()]
+    known = [name for name, _ in specs]
+    if unknown := [name for name in wanted if name not in known]:
+        raise SystemExit(f"--only {','.join(unknown)}: no such arm; the arms are {','.join(known)}")
+    return [(name, flags) for name, flags in specs if name in wanted]
+
+
 def grid_args(args: argparse.Namespace, workdir: Path) -> list[str]:
     """The flags every arm (and the SFT run) shares."""
     files = [item for path in args.config for item in ("@", str(path))]
@@ -309,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--config", action="append", help="config file(s); default: the demo's")
     parser.add_argument("--arm", action="append", default=[], help="NAME=FLAGS, repeatable")
     parser.add_argument("--arms-file", help="a file of NAME=FLAGS lines (# comments)")
+    parser.add_argument("--only", help="NAME,NAME,...: run only these of the arms")
     parser.add_argument("--mps", action="store_true", help="run every arm under NVIDIA MPS")
     parser.add_argument("--sft-checkpoint", help="URI of the SFT checkpoint (else train one)")
     parser.add_argument("--sft-steps", type=int, default=100)
@@ -342,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     if args.arms_file:
         lines = Path(args.arms_file).read_text().splitlines()
         texts += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    specs = [parse_arm(text) for text in texts] or [("default", [])]
+    specs = select_arms([parse_arm(text) for text in texts], args.only) or [("default", [])]
     probe = "file:///nonexistent"  # every arm's flags are checked before anything runs
     for name, flags in specs:
         arm_config(shared, name, flags, probe)

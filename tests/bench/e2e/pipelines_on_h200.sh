@@ -10,13 +10,23 @@
 #   bash tests/bench/e2e/across_calls.sh /tmp/a bash tests/bench/e2e/pipelines_on_h200.sh /tmp/a \
 #     tool-math "@ configs/agentic/tool_math.toml @ configs/agentic/on_gpu.toml" \
 #     wordle "@ configs/agentic/wordle.toml @ configs/agentic/on_gpu.toml"
+# Beside a grid (grid_on_h200.sh, WORK /tmp/grid), under its MPS server: prefix the command with
+#   CUDA_MPS_PIPE_DIRECTORY=/tmp/grid/mps CUDA_MPS_LOG_DIRECTORY=/tmp/grid/mps
 set -uo pipefail
 WORK=$1
 shift
-export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps CUDA_MPS_LOG_DIRECTORY=$WORK/mps PRIMEFLOW_HOME=$WORK/home
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$PRIMEFLOW_HOME"
-nvidia-cuda-mps-control -d
-trap 'echo quit | nvidia-cuda-mps-control; python3 -m flows.cli server stop' EXIT
+export PRIMEFLOW_HOME=$WORK/home
+mkdir -p "$PRIMEFLOW_HOME"
+# Join the MPS server named by CUDA_MPS_PIPE_DIRECTORY where one runs there (a grid's, so both
+# share the card at once: two MPS servers on one card would time-slice it); else start one.
+if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo get_server_list | nvidia-cuda-mps-control > /dev/null 2>&1; then
+  trap 'python3 -m flows.cli server stop' EXIT
+else
+  export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps CUDA_MPS_LOG_DIRECTORY=$WORK/mps
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"
+  nvidia-cuda-mps-control -d
+  trap 'echo quit | nvidia-cuda-mps-control; python3 -m flows.cli server stop' EXIT
+fi
 python3 -m flows.cli server start
 while [ $# -ge 2 ]; do
   name=$1 args=$2
