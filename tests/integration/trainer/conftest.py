@@ -6,27 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from engine.config import PrimeflowConfig
-from engine.models import TinyModelSpec, write_tiny_model
 from engine.run import run_store as open_run_store
 from storage.shards import write_rollouts
-
-SPEC = TinyModelSpec(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    init_std=0.1,
-)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), SPEC)
+from tests.unit.trainer.conftest import SPEC, tiny_model_dir  # noqa: F401  (shared fixture)
 
 
 def make_config(root: Path, model: Path, name: str, **overrides: Any) -> PrimeflowConfig:
