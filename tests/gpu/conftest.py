@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.models import write_tiny_model
-from tests.integration.trainer.conftest import SPEC
+from tests.unit.trainer.conftest import SPEC
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

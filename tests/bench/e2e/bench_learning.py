@@ -63,15 +63,16 @@ STAGGER_S = 5.0
 FINAL = "rl-final"
 
 
-def parse_arm(text: str) -> tuple[str, list[str]]:
+#: An arm: its name and its config flags.
+Arm = tuple[str, list[str]]
+
+
+def parse_arm(text: str) -> Arm:
     """`NAME=FLAGS` → (name, flags)."""
     name, sep, flags = text.partition("=")
     if not sep or not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise SystemExit(f"--arm {text!r}: give NAME=FLAGS, NAME of letters, digits, . - _")
     return name, shlex.split(flags)
-
-
-Arm = tuple[str, list[str]]
 
 
 def select_arms(specs: list[Arm], only: str | None) -> list[Arm]:
@@ -371,7 +372,7 @@ def run_grid(
     workdir: Path,
     out: Path,
     shared: list[str],
-    specs: list[tuple[str, list[str]]],
+    specs: list[Arm],
 ) -> dict[str, Any]:
     """SFT (unless given), then the arms, `--parallel` at a time, collected as they go."""
     sft = args.sft_checkpoint or train_sft(load_config(shared))

@@ -10,7 +10,7 @@ import numpy as np
 from engine.config import PrimeflowConfig
 from engine.run import run_store as open_run_store
 from storage.shards import write_rollouts
-from tests.unit.trainer.conftest import SPEC, tiny_model_dir  # noqa: F401  (shared fixture)
+from tests.unit.trainer.conftest import tiny_model_dir  # noqa: F401  (shared fixture)
 
 
 def make_config(root: Path, model: Path, name: str, **overrides: Any) -> PrimeflowConfig:

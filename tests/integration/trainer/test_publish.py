@@ -24,7 +24,8 @@ from storage.layout import RunLayout
 from storage.metrics import read_metrics
 from storage.policies import load_policy_weights
 from storage.tensor_files import load_tensor_files
-from tests.integration.trainer.conftest import SPEC, make_config, write_steps
+from tests.integration.trainer.conftest import make_config, write_steps
+from tests.unit.trainer.conftest import SPEC
 
 
 @pytest.fixture(scope="module")
